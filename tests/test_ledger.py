@@ -1,0 +1,141 @@
+import csv
+import multiprocessing
+
+import pytest
+
+import ledger
+
+
+def run_row(run_id, **fields):
+    return {"time": "2025-01-01T00:00:00", "run_id": run_id, "config": "tiny", "device": "cpu",
+            "status": "ok", **fields}
+
+
+def test_header_written_once_and_round_trip(tmp_path):
+    path = tmp_path / "sub" / "ledger.csv"
+    ledger.append(path, run_row("a1", steps=10, mfu=0.123456789, val_bpb=None, git_dirty=True,
+                                notes='comma, "quote"\nnewline'))
+    ledger.append(path, run_row("a2", status="diverged"))
+    lines = path.read_text().splitlines()
+    assert lines[0] == ",".join(ledger.COLUMNS)
+    assert sum(line == lines[0] for line in lines) == 1
+    rows = ledger.read(path)
+    assert [r["run_id"] for r in rows] == ["a1", "a2"]
+    assert list(rows[0]) == ledger.COLUMNS
+    assert rows[0]["steps"] == "10"
+    assert rows[0]["mfu"] == "0.123457"
+    assert rows[0]["val_bpb"] == ""
+    assert rows[0]["git_dirty"] == "true"
+    assert rows[0]["notes"] == 'comma, "quote"\nnewline'
+    assert rows[1]["status"] == "diverged" and rows[1]["steps"] == ""
+
+
+def test_read_missing_is_empty(tmp_path):
+    assert ledger.read(tmp_path / "none.csv") == []
+
+
+def test_unknown_key_rejected(tmp_path):
+    path = tmp_path / "ledger.csv"
+    with pytest.raises(ledger.LedgerError, match="bogus"):
+        ledger.append(path, run_row("a", bogus=1))
+    assert not path.exists() or path.read_text() == ""
+
+
+@pytest.mark.parametrize("status", ["great", None])
+def test_bad_status_rejected(tmp_path, status):
+    with pytest.raises(ledger.LedgerError, match="status"):
+        ledger.append(tmp_path / "ledger.csv", run_row("a", status=status))
+
+
+def test_header_mismatch_rejected_and_file_untouched(tmp_path):
+    path = tmp_path / "ledger.csv"
+    old = "time,run_id,val_loss,status\n2024,old,3.0,ok\n"
+    path.write_text(old)
+    with pytest.raises(ledger.LedgerError) as error:
+        ledger.append(path, run_row("new"))
+    assert str(path) in str(error.value) and "val_bpb" in str(error.value)
+    assert path.read_text() == old
+
+
+def _append_many(path, worker, count):
+    for i in range(count):
+        # Rows far larger than a page make any interleaving of writes visible.
+        ledger.append(path, run_row(f"w{worker}-{i}", steps=i, notes=f"{worker}" * 10000))
+
+
+def test_concurrent_appends(tmp_path):
+    path = tmp_path / "ledger.csv"
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=_append_many, args=(path, w, 50)) for w in range(4)]
+    for p in workers:
+        p.start()
+    for p in workers:
+        p.join()
+    assert all(p.exitcode == 0 for p in workers)
+    with open(path, newline="") as f:
+        records = list(csv.reader(f))
+    assert records[0] == ledger.COLUMNS
+    assert len(records) == 201
+    assert all(len(r) == len(ledger.COLUMNS) for r in records)
+    rows = ledger.read(path)
+    assert sorted(r["run_id"] for r in rows) == sorted(f"w{w}-{i}" for w in range(4) for i in range(50))
+    assert all(r["notes"] == r["run_id"][1] * 10000 for r in rows)
+
+
+@pytest.fixture
+def filled(tmp_path):
+    path = tmp_path / "ledger.csv"
+    ledger.append(path, run_row("abc123", steps=100, tokens_per_s=1000.0, val_bpb=1.5,
+                                seed=1, notes="x" * 100))
+    ledger.append(path, run_row("abd456", steps=150, tokens_per_s=1250.5, val_bpb=1.25, seed=2))
+    ledger.append(path, run_row("zzz789", steps=7, status="failed"))
+    return str(path)
+
+
+def test_show(filled, capsys):
+    assert ledger.main(["show", "--path", filled]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ledger.SHOW_COLUMNS
+    assert [line.split()[1] for line in lines[1:]] == ["abc123", "abd456", "zzz789"]
+    assert "x" * 37 + "..." in lines[1] and "x" * 41 not in lines[1]
+    status_at = lines[0].index("status")  # fixed-width: every status sits under its header
+    assert [line[status_at - 1:].split()[0] for line in lines[1:]] == ["ok", "ok", "failed"]
+    assert all(line[status_at - 1] == " " for line in lines[1:])
+
+    assert ledger.main(["show", "-n", "1", "--path", filled]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "zzz789" in lines[1]
+
+
+def test_show_empty(tmp_path, capsys):
+    path = str(tmp_path / "missing.csv")
+    assert ledger.main(["show", "--path", path]) == 0
+    assert capsys.readouterr().out.strip() == f"no runs in {path}"
+
+
+def test_compare_with_prefixes(filled, capsys):
+    assert ledger.main(["compare", "abc", "abd4", "--path", filled]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["column", "abc123", "abd456", "delta"]
+    by_column = {line.split()[0]: line.split() for line in lines[1:]}
+    assert set(by_column) == set(ledger.COLUMNS)
+    assert by_column["steps"] == ["steps", "100", "150", "+50"]
+    assert by_column["tokens_per_s"] == ["tokens_per_s", "1000", "1250.5", "+250.5"]
+    assert by_column["val_bpb"] == ["val_bpb", "1.5", "1.25", "-0.25"]
+    assert by_column["seed"] == ["seed", "1", "2"]  # not a quantity: no delta
+    assert by_column["config"] == ["config", "tiny", "tiny"]
+
+
+@pytest.mark.parametrize("a, b, message", [
+    ("ab", "zzz", "ambiguous run id 'ab' matches: abc123, abd456"),
+    ("abc", "nope", "unknown run id 'nope'"),
+])
+def test_compare_bad_ids(filled, capsys, a, b, message):
+    assert ledger.main(["compare", a, b, "--path", filled]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_compare_empty(tmp_path, capsys):
+    path = str(tmp_path / "missing.csv")
+    assert ledger.main(["compare", "a", "b", "--path", path]) == 2
+    assert f"no runs in {path}" in capsys.readouterr().err

@@ -1,0 +1,704 @@
+"""AION training script: config -> device -> data -> model -> optimizers -> timed loop -> eval ->
+ledger row and checkpoint. Read top to bottom; line cap 1200.
+
+    python train.py --config configs/cpu.yaml [key.sub=value ...]
+
+Rules kept here: no host sync inside the step (loss sums stay on the device and are read every
+run.log_every steps); the LR is a function of progress p = elapsed / budget.seconds, never of a
+step count; only this file touches devices, precision, signals and the file system of a run.
+"""
+import argparse
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import os
+import random
+import resource
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import get_type_hints
+
+import numpy as np
+import torch
+import yaml
+
+import data
+import ledger
+from model import GPT, flops_per_token, param_count
+
+ROOT = Path(__file__).resolve().parent
+BASE_CONFIG = ROOT / "configs" / "base.yaml"
+
+# ----------------------------------------------------------------------------------------------
+# Configuration: nested frozen dataclasses; every default lives in configs/base.yaml.
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str
+    seed: int
+    out_dir: str
+    log_every: int
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str
+    path: str
+    tokenizer: str
+    val_fraction: float
+    seq_len: int
+    prefetch: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_kv_head: int
+    mlp_mult: int
+    mlp: str
+    tie_embeddings: bool
+    logit_softcap: float
+    rope_base: float
+    qk_gain_init: float
+    embed_init_std: float
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    batch_tokens: int
+    micro_batch: int
+    muon_lr: float
+    muon_momentum: float
+    muon_ns_steps: int
+    embed_lr: float
+    head_lr: float
+    scalar_lr: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    warmup: float
+    warmdown: float
+    lr_floor: float
+    grad_clip: float
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    seconds: float
+    count_compile: bool
+    max_steps: int
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    tokens: int
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    type: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class LedgerConfig:
+    path: str
+    notes: str
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    path: str
+    every_seconds: float
+    resume: str
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig
+    data: DataConfig
+    model: ModelConfig
+    optim: OptimConfig
+    budget: BudgetConfig
+    eval: EvalConfig
+    device: DeviceConfig
+    ledger: LedgerConfig
+    checkpoint: CheckpointConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+positive = (lambda v: v > 0, "> 0")
+non_negative = (lambda v: v >= 0, ">= 0")
+fraction = (lambda v: 0 <= v <= 1, "in [0, 1]")
+
+
+def one_of(*choices):
+    return (lambda v: v in choices, "one of " + " | ".join(choices))
+
+
+CHECKS = {
+    "run.log_every": positive, "data.source": one_of("builtin", "shards"),
+    "data.val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"), "data.seq_len": positive,
+    "data.prefetch": non_negative, "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
+    "model.n_layer": positive, "model.n_embd": positive, "model.n_head": positive, "model.n_kv_head": positive,
+    "model.mlp_mult": positive, "model.mlp": one_of("relu2", "swiglu"), "model.logit_softcap": non_negative,
+    "model.rope_base": positive, "model.embed_init_std": positive, "optim.batch_tokens": positive,
+    "optim.micro_batch": positive, "optim.muon_lr": non_negative, "optim.muon_momentum": fraction,
+    "optim.muon_ns_steps": positive, "optim.embed_lr": non_negative, "optim.head_lr": non_negative,
+    "optim.scalar_lr": non_negative, "optim.beta1": fraction, "optim.beta2": fraction,
+    "optim.weight_decay": non_negative, "optim.warmup": fraction, "optim.warmdown": fraction,
+    "optim.lr_floor": fraction, "optim.grad_clip": non_negative, "budget.seconds": positive,
+    "budget.max_steps": non_negative, "eval.tokens": non_negative, "eval.batch_size": positive,
+    "device.type": one_of("auto", "cpu", "cuda"), "device.dtype": one_of("auto", "float32", "bfloat16"),
+    "checkpoint.every_seconds": non_negative,
+}
+
+
+def read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(doc).__name__}")
+    return doc
+
+
+def merge(into: dict, over: dict) -> dict:
+    out = dict(into)
+    for key, value in over.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_chain(path: Path, seen=()) -> dict:
+    """A config merged over its `base:` chain; configs/base.yaml is the root of every chain."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: `base:` chain loops back to itself")
+    doc = read_yaml(path)
+    base = doc.pop("base", None)
+    if base is not None:
+        parent = load_chain(path.parent / base, seen + (path,))
+    elif path != BASE_CONFIG.resolve():
+        parent = load_chain(BASE_CONFIG)
+    else:
+        parent = {}
+    return merge(parent, doc)
+
+
+def apply_override(tree: dict, override: str) -> dict:
+    key, eq, text = override.partition("=")
+    if not eq or not key:
+        raise ConfigError(f"override {override!r}: expected key.sub=value")
+    value = yaml.safe_load(text) if text else ""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return merge(tree, value)
+
+
+def coerce(value, typ, key):
+    if typ is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            return float(value)  # YAML 1.1 reads 3e-4 as a string
+        except ValueError:
+            pass
+    if typ is str and value is None:
+        return ""
+    if typ is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
+    return value
+
+
+def build(cls, tree: dict, prefix=""):
+    hints = get_type_hints(cls)
+    for key in tree:
+        if key not in hints:
+            close = difflib.get_close_matches(key, hints, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; expected one of {', '.join(hints)}"
+            raise ConfigError(f"unknown key {prefix}{key}{hint}")
+    values = {}
+    for name, typ in hints.items():
+        key = prefix + name
+        if name not in tree:
+            raise ConfigError(f"missing key {key} (configs/base.yaml defines every key)")
+        value = tree[name]
+        if dataclasses.is_dataclass(typ):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a section (mapping), got {value!r}")
+            values[name] = build(typ, value, key + ".")
+            continue
+        value = coerce(value, typ, key)
+        if key in CHECKS and not CHECKS[key][0](value):
+            raise ConfigError(f"{key}: expected {CHECKS[key][1]}, got {value!r}")
+        values[name] = value
+    return cls(**values)
+
+
+def validate(cfg: Config):
+    m, o = cfg.model, cfg.optim
+    if m.n_embd % m.n_head or m.n_head % m.n_kv_head or (m.n_embd // m.n_head) % 2:
+        raise ConfigError(f"model: n_embd ({m.n_embd}) must split into n_head ({m.n_head}) heads of even size, "
+                          f"and n_kv_head ({m.n_kv_head}) must divide n_head")
+    if o.warmup + o.warmdown > 1:
+        raise ConfigError(f"optim.warmup + optim.warmdown must be <= 1, got {o.warmup} + {o.warmdown}")
+    if o.batch_tokens % (o.micro_batch * cfg.data.seq_len):
+        raise ConfigError(f"optim.batch_tokens ({o.batch_tokens}) must be a multiple of optim.micro_batch * "
+                          f"data.seq_len ({o.micro_batch} * {cfg.data.seq_len})")
+    if cfg.data.source == "shards" and not cfg.data.tokenizer:
+        raise ConfigError("data.tokenizer: data.source=shards needs the sentencepiece .model of the shards")
+
+
+def load_config(path, overrides=()) -> Config:
+    tree = load_chain(Path(path))
+    for override in overrides:
+        tree = apply_override(tree, override)
+    cfg = build(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+def flatten(tree: dict, prefix="") -> dict:
+    out = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizers: Muon for the blocks' 2-D matrices, AdamW for the embedding, head and vectors.
+
+
+def newton_schulz(grad: torch.Tensor, steps: int) -> torch.Tensor:
+    """Approximately orthogonalise a matrix (U S V^T -> U V^T) with a quintic Newton-Schulz
+    iteration whose coefficients favour speed over exact convergence (Keller Jordan's Muon)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = grad.bfloat16() if grad.is_cuda else grad.float()  # bf16 is safe here and fast on GPUs
+    transposed = x.size(0) > x.size(1)
+    if transposed:
+        x = x.mT
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.mT if transposed else x).to(grad.dtype)
+
+
+class Muon(torch.optim.Optimizer):
+    """SGD with Nesterov momentum whose update for each matrix is orthogonalised."""
+
+    def __init__(self, params, lr, momentum, ns_steps):
+        super().__init__(params, dict(lr=lr, momentum=momentum, ns_steps=ns_steps))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(p.grad)
+                update = newton_schulz(p.grad.add(buf, alpha=group["momentum"]), group["ns_steps"])
+                # An orthogonal update has unit singular values; scale tall matrices up to match RMS.
+                p.add_(update, alpha=-group["lr"] * max(1.0, p.size(0) / p.size(1)) ** 0.5)
+
+
+def param_groups(model: GPT, o: OptimConfig):
+    """Split parameters: (Muon matrices, AdamW groups). Every parameter lands in exactly one."""
+    matrices = [p for block in model.blocks for p in block.parameters() if p.ndim == 2]
+    vectors = [p for block in model.blocks for p in block.parameters() if p.ndim != 2]
+    adam = [dict(params=[model.wte.weight], lr=o.embed_lr, weight_decay=o.weight_decay),
+            dict(params=vectors, lr=o.scalar_lr, weight_decay=0.0)]
+    if model.lm_head is not None:
+        adam.append(dict(params=[model.lm_head.weight], lr=o.head_lr, weight_decay=o.weight_decay))
+    return matrices, adam
+
+
+def make_optimizers(model: GPT, o: OptimConfig):
+    matrices, adam_groups = param_groups(model, o)
+    optimizers = [Muon(matrices, lr=o.muon_lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps),
+                  torch.optim.AdamW(adam_groups, betas=(o.beta1, o.beta2), eps=1e-10)]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["peak_lr"] = group["lr"]
+    return optimizers
+
+
+def lr_scale(p: float, o: OptimConfig) -> float:
+    """LR multiplier at progress p in [0, 1]: linear warmup, constant, linear warmdown to lr_floor."""
+    p = min(max(p, 0.0), 1.0)
+    if o.warmup > 0 and p < o.warmup:
+        return p / o.warmup
+    if o.warmdown > 0 and p > 1 - o.warmdown:
+        return o.lr_floor + (1 - o.lr_floor) * (1 - p) / o.warmdown
+    return 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Device facts live here and nowhere else.
+
+
+def pick_device(cfg: DeviceConfig) -> torch.device:
+    if cfg.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device.type=cuda but torch.cuda.is_available() is False")
+    if cfg.type == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.type)
+
+
+def autocast_dtype(cfg: DeviceConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """Best observed FLOP/s of a square matmul on this device: the MFU denominator. Measured, not
+    looked up, so it is honest on any CPU; on GPUs it is below the datasheet peak."""
+    n = 4096 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = math.inf
+    for _ in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / 4)
+    return 2 * n ** 3 / best
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: the builtin corpus is prepared on first use; shards are used as they are.
+
+
+def open_data(cfg: Config):
+    """-> (train files, val files, tokenizer path, corpus fingerprint)."""
+    d = cfg.data
+    if d.source == "builtin":
+        root = Path(d.path) / f"sp{cfg.model.vocab_size}"
+        meta = data.prepare_builtin(root, cfg.model.vocab_size, d.val_fraction)
+        tokenizer, fingerprint = meta["tokenizer"], meta["corpus_sha256"][:12]
+    else:
+        root, tokenizer = Path(d.path), d.tokenizer
+        fingerprint = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()[:12] if Path(tokenizer).is_file() else ""
+    train_files = sorted(root.glob("fineweb_train_*.bin"))
+    val_files = sorted(root.glob("fineweb_val_*.bin"))
+    if not train_files or not val_files:
+        raise data.DataError(f"{root}: expected fineweb_train_*.bin and fineweb_val_*.bin shards, found "
+                             f"{len(train_files)} train and {len(val_files)} val")
+    return train_files, val_files, tokenizer, fingerprint
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints and the scorer's entry point.
+
+
+def save_checkpoint(path: Path, state: dict):
+    """Atomic: a crash mid-write leaves the previous checkpoint intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path) -> dict:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"checkpoint {path} not found")
+    return torch.load(path, map_location="cpu", weights_only=False)  # our own files: config, RNG states
+
+
+def load_for_eval(checkpoint_path, device) -> torch.nn.Module:
+    """The scorer contract: an eval-mode, single-device model whose forward(idx: LongTensor[B, T])
+    returns logits [B, T, V] that depend only on the input tokens (causally)."""
+    ckpt = load_checkpoint(checkpoint_path)
+    model = GPT(build(ModelConfig, ckpt["config"]["model"], "model."))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# The run.
+
+
+def git_state():
+    def git(*args):
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    # ledger.csv changes with every run; it does not make the code dirty.
+    return git("rev-parse", "--short=12", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!ledger.csv"))
+
+
+class Trainer:
+    """Holds everything of one run; `train()` is the loop, `step()` one optimizer step."""
+
+    def __init__(self, cfg: Config, config_path="", overrides=()):
+        self.cfg, self.config_path, self.overrides = cfg, str(config_path), list(overrides)
+        self.resumed = load_checkpoint(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
+        if self.resumed and self.resumed["config"]["model"] != dataclasses.asdict(cfg.model):
+            old, new = flatten(self.resumed["config"]["model"]), flatten(dataclasses.asdict(cfg.model))
+            diff = ", ".join(f"model.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
+            raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume}: model differs from the checkpoint's ({diff})")
+        self.run_id = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+        self.run_dir = Path(cfg.run.out_dir) / self.run_id
+        self.checkpoint_path = Path(cfg.checkpoint.path or self.run_dir / "checkpoint.pt")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_file = open(self.run_dir / "log.txt", "a")
+
+        torch.manual_seed(cfg.run.seed)
+        np.random.seed(cfg.run.seed)
+        random.seed(cfg.run.seed)
+        self.device = pick_device(cfg.device)
+        self.dtype = autocast_dtype(cfg.device, self.device)
+        self.autocast = (torch.autocast(self.device.type, dtype=self.dtype)
+                         if self.dtype != torch.float32 else nullcontext())
+
+        train_files, self.val_files, tokenizer, self.data_sha = open_data(cfg)
+        self.bytes = data.ByteTable(tokenizer)
+        if self.bytes.vocab_size != cfg.model.vocab_size:
+            raise data.DataError(f"tokenizer {tokenizer} has {self.bytes.vocab_size} tokens but "
+                                 f"model.vocab_size is {cfg.model.vocab_size}")
+        self.bytes = self.bytes.to(self.device)
+        self.accum_steps = cfg.optim.batch_tokens // (cfg.optim.micro_batch * cfg.data.seq_len)
+        self.loader = data.TrainLoader(train_files, cfg.optim.micro_batch, cfg.data.seq_len,
+                                       cfg.model.vocab_size, prefetch=cfg.data.prefetch)
+
+        self.model = GPT(cfg.model).to(self.device)
+        self.optimizers = make_optimizers(self.model, cfg.optim)
+        self.step_count, self.train_s, self.compile_s = 0, 0.0, 0.0
+        if self.resumed:
+            self.restore(self.resumed)
+        self.stop_signal = None
+
+    # -- state ---------------------------------------------------------------------------------
+    def state(self) -> dict:
+        return dict(model=self.model.state_dict(), optimizers=[o.state_dict() for o in self.optimizers],
+                    loader=self.loader.state_dict(), step=self.step_count, train_s=self.train_s,
+                    compile_s=self.compile_s, run_id=self.run_id, config=dataclasses.asdict(self.cfg),
+                    rng=dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
+                             cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None))
+
+    def restore(self, ckpt: dict):
+        self.model.load_state_dict(ckpt["model"])
+        for opt, state in zip(self.optimizers, ckpt["optimizers"]):
+            opt.load_state_dict(state)
+        self.loader.load_state_dict(ckpt["loader"])
+        self.step_count, self.train_s, self.compile_s = ckpt["step"], ckpt["train_s"], ckpt["compile_s"]
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        np.random.set_state(ckpt["rng"]["numpy"])
+        random.setstate(ckpt["rng"]["python"])
+        if ckpt["rng"]["cuda"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+
+    def save(self):
+        start = time.perf_counter()
+        save_checkpoint(self.checkpoint_path, self.state())
+        self.log(f"checkpoint:{self.checkpoint_path} save_s:{time.perf_counter() - start:.2f}")
+
+    def log(self, line: str):
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
+        self.log_file.flush()
+
+    # -- one optimizer step: no host sync in here --------------------------------------------
+    def step(self, progress: float) -> torch.Tensor:
+        """Forward/backward over accum_steps micro-batches, then one update. Returns the mean
+        training loss as a device tensor (not read here)."""
+        scale = lr_scale(progress, self.cfg.optim)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["peak_lr"] * scale
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(self.accum_steps):
+            x, y = self.loader.next_batch()
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with self.autocast:
+                loss = self.model.loss(x, y)
+            (loss / self.accum_steps).backward()
+            loss_sum += loss.detach()
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        for opt in self.optimizers:
+            opt.step()
+        self.model.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return loss_sum / self.accum_steps
+
+    @torch.no_grad()
+    def evaluate(self):
+        """-> (val_loss nats/token, val_bpb, target tokens, target bytes) over eval.tokens of the
+        validation split (0 = all of it), non-overlapping windows of data.seq_len."""
+        self.model.eval()
+        nll = torch.zeros((), dtype=torch.float64, device=self.device)
+        n_bytes = torch.zeros((), dtype=torch.int64, device=self.device)
+        n_tokens = 0
+        for x, y in data.val_batches(self.val_files, self.cfg.data.seq_len, self.cfg.eval.batch_size,
+                                     self.cfg.model.vocab_size, max_tokens=self.cfg.eval.tokens):
+            x, y = x.to(self.device), y.to(self.device)
+            with self.autocast:
+                nll += self.model.loss(x, y, reduction="sum").double()
+            n_bytes += self.bytes.target_bytes(x, y).sum()
+            n_tokens += y.numel()
+        self.model.train()
+        nll, n_bytes = nll.item(), int(n_bytes.item())
+        return nll / n_tokens, nll / (math.log(2) * n_bytes), n_tokens, n_bytes
+
+    # -- the loop ------------------------------------------------------------------------------
+    def on_signal(self, signum, frame):
+        self.stop_signal = signum  # acted on between steps, so the checkpoint is consistent
+
+    def train(self) -> dict:
+        cfg = self.cfg
+        git_commit, git_dirty = git_state()
+        self.log(f"run_id:{self.run_id} git:{git_commit}{'+dirty' if git_dirty else ''} config:{self.config_path} "
+                 f"overrides:{' '.join(self.overrides) or '-'}")
+        for key, value in flatten(dataclasses.asdict(cfg)).items():
+            self.log(f"config {key}:{value}")
+        params = param_count(self.model)
+        fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+        peak = measure_matmul_peak(self.device, self.dtype)
+        tokens_per_step = cfg.optim.batch_tokens
+        self.log(f"device:{self.device} dtype:{str(self.dtype).removeprefix('torch.')} params:{params} "
+                 f"flops_per_token:{fpt:.4g} matmul_peak_flops:{peak:.4g} accum_steps:{self.accum_steps} "
+                 f"data:{self.data_sha} resumed_from:{self.resumed['run_id'] if self.resumed else '-'}")
+
+        handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        status, error, step_ms, start_step = "ok", "", [], self.step_count
+        last_checkpoint = self.train_s
+        loss_sum = torch.zeros((), device=self.device)
+        losses_since_log = 0
+        budget = cfg.budget.seconds
+        try:
+            while self.train_s < budget and not (cfg.budget.max_steps and self.step_count >= cfg.budget.max_steps):
+                t0 = time.perf_counter()
+                loss_sum += self.step(self.train_s / budget)
+                losses_since_log += 1
+                if self.step_count == start_step + 1:  # allocator warm-up and any lazy compilation
+                    sync(self.device)
+                    self.compile_s += time.perf_counter() - t0
+                    self.train_s += self.compile_s if cfg.budget.count_compile else 0.0
+                else:
+                    step_ms.append((time.perf_counter() - t0) * 1000)
+                    self.train_s += step_ms[-1] / 1000
+                if self.step_count % cfg.run.log_every == 0 or self.train_s >= budget:
+                    loss = (loss_sum / losses_since_log).item()  # the only read of the step's outputs
+                    loss_sum.zero_()
+                    losses_since_log = 0
+                    self.log(f"step:{self.step_count} loss:{loss:.4f} tokens_per_s:{throughput(step_ms, tokens_per_step):.0f} "
+                             f"train_s:{self.train_s:.1f} p:{self.train_s / budget:.3f} "
+                             f"lr_scale:{lr_scale(self.train_s / budget, cfg.optim):.3f} epoch:{self.loader.epoch}")
+                    if not math.isfinite(loss):
+                        status = "diverged"
+                        break
+                if self.stop_signal is not None:
+                    status = "interrupted"
+                    break
+                if cfg.checkpoint.every_seconds and self.train_s - last_checkpoint >= cfg.checkpoint.every_seconds:
+                    self.save()
+                    last_checkpoint = self.train_s
+        except Exception as e:
+            status, error = "failed", f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            sync(self.device)
+            summary = self.finish(status, error, params, fpt, peak, step_ms, git_commit, git_dirty)
+        return summary
+
+    def finish(self, status, error, params, fpt, peak, step_ms, git_commit, git_dirty) -> dict:
+        """Evaluate (unless the run failed, diverged or was interrupted), checkpoint, ledger row."""
+        cfg = self.cfg
+        tokens_per_s = throughput(step_ms, cfg.optim.batch_tokens)
+        val_loss = val_bpb = val_tokens = val_bytes = None
+        eval_s = 0.0
+        if status == "ok":
+            start = time.perf_counter()
+            val_loss, val_bpb, val_tokens, val_bytes = self.evaluate()
+            eval_s = time.perf_counter() - start
+        if status != "failed" and self.step_count > 0:
+            self.save()
+        notes = [cfg.ledger.notes] if cfg.ledger.notes else []
+        if self.resumed:
+            notes.append(f"resumed from {self.resumed['run_id']} at step {self.resumed['step']}")
+        notes.append(f"matmul_peak_flops={peak:.4g} measured")
+        if error:
+            notes.append(error)
+        row = dict(
+            time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), run_id=self.run_id, git_commit=git_commit,
+            git_dirty=git_dirty, config=self.config_path, config_sha=hashlib.sha256(json.dumps(
+                dataclasses.asdict(cfg), sort_keys=True).encode()).hexdigest()[:12],
+            overrides=" ".join(self.overrides), device=str(self.device), world_size=1, seed=cfg.run.seed,
+            data_sha=self.data_sha, params=params, active_params=params, budget_s=cfg.budget.seconds,
+            train_s=self.train_s, compile_s=self.compile_s, data_wait_s=self.loader.wait_s, eval_s=eval_s,
+            steps=self.step_count, tokens=self.step_count * cfg.optim.batch_tokens, tokens_per_s=tokens_per_s,
+            step_ms_p50=statistics.median(step_ms) if step_ms else None, flops_per_token=fpt,
+            mfu=fpt * tokens_per_s / peak, val_loss=val_loss, val_bpb=val_bpb, val_tokens=val_tokens,
+            val_bytes=val_bytes, xla_compiles=None, peak_mem_mb=peak_memory_mb(self.device), stages=None,
+            status=status, notes="; ".join(notes))
+        ledger.append(cfg.ledger.path, row)
+        self.loader.close()
+        self.log("summary " + " ".join(f"{k}:{v:.6g}" if isinstance(v, float) else f"{k}:{v}"
+                                       for k, v in row.items() if v not in (None, "") and k != "notes"))
+        self.log_file.close()
+        return row
+
+
+def throughput(step_ms: list, tokens_per_step: int) -> float:
+    """Steady-state tokens/s: the first step (warm-up, compilation) is left out."""
+    return len(step_ms) * tokens_per_step / (sum(step_ms) / 1000) if step_ms else 0.0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(BASE_CONFIG), help="YAML config (default configs/base.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides; later ones win")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        trainer = Trainer(cfg, args.config, args.overrides)
+    except (ConfigError, data.DataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    row = trainer.train()
+    return 128 + trainer.stop_signal if row["status"] == "interrupted" else (0 if row["status"] == "ok" else 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
