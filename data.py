@@ -6,6 +6,7 @@ int32 (magic, version, token count, zeros), then the tokens as little-endian uin
 
     python data.py prepare --input notes/ extra.jsonl --out data/mine      # your text
     python data.py prepare --out data/builtin/sp1024                       # built-in corpus
+    python data.py unigram --data data/builtin/sp1024                      # the order-0 bpb floor
 """
 import argparse
 import hashlib
@@ -433,6 +434,20 @@ def val_batches(files, seq_len, batch_size, vocab_size, max_tokens=0, rank=0, wo
         yield buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # callers .view() them
 
 
+def unigram_bpb(data_dir, vocab_size):
+    """The order-0 floor: bits per byte of the val targets under the train split's token
+    frequencies (add-one smoothed), over the same targets and bytes as val_bpb."""
+    data_dir = Path(data_dir)
+    counts = np.ones(vocab_size, dtype=np.float64)
+    for f in sorted(data_dir.glob("fineweb_train_*.bin")):
+        counts += np.bincount(load_shard(f, vocab_size), minlength=vocab_size)
+    val = np.concatenate([load_shard(f, vocab_size) for f in sorted(data_dir.glob("fineweb_val_*.bin"))])
+    stream = torch.from_numpy(val.astype(np.int64))
+    n_bytes = int(ByteTable(data_dir / "tokenizer.model").target_bytes(stream[:-1], stream[1:]).sum())
+    bits = -np.log2(counts / counts.sum())[val[1:]].sum()
+    return dict(unigram_bpb=bits / n_bytes, val_targets=len(val) - 1, val_bytes=n_bytes)
+
+
 # -----------------------------------------------------------------------------
 # CLI
 
@@ -453,10 +468,15 @@ def main(argv=None):
     p.add_argument("--vocab-size", type=int, default=vocab_size, required=vocab_size is None)
     p.add_argument("--val-fraction", type=float, default=val_fraction, required=val_fraction is None)
     p.add_argument("--tokenizer", help="an existing sentencepiece .model instead of training one")
+    u = sub.add_parser("unigram", help="bpb of the val split under the train split's token frequencies")
+    u.add_argument("--data", required=True, help="a prepared folder (shards, tokenizer.model)")
+    u.add_argument("--vocab-size", type=int, default=vocab_size, required=vocab_size is None)
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        if args.input:
+        if args.command == "unigram":
+            meta = unigram_bpb(args.data, args.vocab_size)
+        elif args.input:
             meta = prepare(read_documents(args.input), args.out, args.vocab_size, args.val_fraction, args.tokenizer)
         elif args.tokenizer:
             meta = prepare(builtin_documents(), args.out, args.vocab_size, args.val_fraction, args.tokenizer)

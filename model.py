@@ -4,7 +4,6 @@ SwiGLU MLP, optional tied embeddings, logit soft-cap, zero-initialised output pr
 Shapes in comments: B batch, T sequence, C = n_embd, H heads, K kv heads, D = C // H, V vocab.
 The model config is any object with the attributes of the `model` section of configs/base.yaml.
 """
-import math
 
 import torch
 import torch.nn as nn

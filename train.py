@@ -266,6 +266,8 @@ def validate(cfg: Config):
     if o.batch_tokens % (o.micro_batch * cfg.data.seq_len):
         raise ConfigError(f"optim.batch_tokens ({o.batch_tokens}) must be a multiple of optim.micro_batch * "
                           f"data.seq_len ({o.micro_batch} * {cfg.data.seq_len})")
+    if 0 < cfg.eval.tokens < cfg.data.seq_len:
+        raise ConfigError(f"eval.tokens ({cfg.eval.tokens}) must be 0 (all) or at least data.seq_len ({cfg.data.seq_len})")
     if cfg.data.source == "shards" and not cfg.data.tokenizer:
         raise ConfigError("data.tokenizer: data.source=shards needs the sentencepiece .model of the shards")
 
@@ -416,12 +418,18 @@ def open_data(cfg: Config):
         tokenizer, fingerprint = meta["tokenizer"], meta["corpus_sha256"][:12]
     else:
         root, tokenizer = Path(d.path), d.tokenizer
-        fingerprint = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()[:12] if Path(tokenizer).is_file() else ""
+        if not Path(tokenizer).is_file():
+            raise data.DataError(f"data.tokenizer={tokenizer}: no such file, expected the shards' sentencepiece .model")
     train_files = sorted(root.glob("fineweb_train_*.bin"))
     val_files = sorted(root.glob("fineweb_val_*.bin"))
     if not train_files or not val_files:
         raise data.DataError(f"{root}: expected fineweb_train_*.bin and fineweb_val_*.bin shards, found "
                              f"{len(train_files)} train and {len(val_files)} val")
+    if d.source == "shards":  # hashing gigabytes of shards would delay every run: names, sizes, tokenizer
+        h = hashlib.sha256(Path(tokenizer).read_bytes())
+        for f in train_files + val_files:
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+        fingerprint = h.hexdigest()[:12]
     return train_files, val_files, tokenizer, fingerprint
 
 
@@ -645,14 +653,14 @@ class Trainer:
         """Evaluate (unless the run failed, diverged or was interrupted), checkpoint, ledger row."""
         cfg = self.cfg
         tokens_per_s = throughput(step_ms, cfg.optim.batch_tokens)
+        if status != "failed" and self.step_count > 0:
+            self.save()  # before the evaluation, so a kill during it loses no training
         val_loss = val_bpb = val_tokens = val_bytes = None
         eval_s = 0.0
         if status == "ok":
             start = time.perf_counter()
             val_loss, val_bpb, val_tokens, val_bytes = self.evaluate()
             eval_s = time.perf_counter() - start
-        if status != "failed" and self.step_count > 0:
-            self.save()
         notes = [cfg.ledger.notes] if cfg.ledger.notes else []
         if self.resumed:
             notes.append(f"resumed from {self.resumed['run_id']} at step {self.resumed['step']}")

@@ -7,19 +7,11 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 import torch
-import yaml
 
 import data
 from data import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def builtin_1024():
-    """The built-in corpus at vocab 1024, in train.py's cache folder (about 20 s the first time)."""
-    val_fraction = yaml.safe_load((ROOT / "configs" / "base.yaml").read_text())["data"]["val_fraction"]
-    return data.prepare_builtin(ROOT / "data" / "builtin" / "sp1024", 1024, val_fraction, progress=False)
 
 
 def crafted_documents(n=300, seed=0):
@@ -305,3 +297,14 @@ def test_cli_prepare(tmp_path, capsys, monkeypatch):
 
     again = data.main([*args, "--tokenizer", meta["tokenizer"]])
     assert again == meta  # a given tokenizer reproduces the same shards
+
+
+def test_cli_unigram(small, capsys):
+    out, meta = small
+    result = data.main(["unigram", "--data", str(out), "--vocab-size", "300"])
+    train = np.concatenate([data.load_shard(f) for f in sorted(out.glob("fineweb_train_*.bin"))]).tolist()
+    val = np.concatenate([data.load_shard(f) for f in sorted(out.glob("fineweb_val_*.bin"))]).tolist()
+    bits = sum(-np.log2((train.count(t) + 1) / (len(train) + 300)) for t in val[1:])
+    assert result["val_bytes"] == meta["val_bytes"]  # the same denominator as val_bpb
+    assert result["unigram_bpb"] == pytest.approx(bits / meta["val_bytes"], rel=1e-9)
+    assert "unigram_bpb:" in capsys.readouterr().out

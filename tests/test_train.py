@@ -1,11 +1,9 @@
 """train.py: config validation, optimizer grouping, LR schedule, checkpoints, the scorer entry
 point, signals, and an end-to-end smoke run into a temporary ledger."""
 import math
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +30,7 @@ SMOKE = ROOT / "configs" / "smoke.yaml"
     ("optim.micro_batch=3", "optim.batch_tokens (512) must be a multiple of optim.micro_batch * data.seq_len (3 * 64)"),
     ("model.n_kv_head=3", "n_kv_head (3) must divide n_head"),
     ("model", "override 'model': expected key.sub=value"),
+    ("eval.tokens=10", "eval.tokens (10) must be 0 (all) or at least data.seq_len (64)"),
     ("model.n_layer.x=1", "model.n_layer: expected int, got {'x': 1}"),
 ])
 def test_config_errors_name_the_key(override, message):
@@ -174,3 +173,11 @@ def test_sigterm_checkpoints_and_records_interrupted(tmp_path, builtin_1024):
     assert row["status"] == "interrupted" and row["val_bpb"] == ""
     ckpt = train.load_checkpoint(tmp_path / "runs" / row["run_id"] / "checkpoint.pt")
     assert ckpt["step"] == int(row["steps"]) >= 3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_smoke_run_on_cuda(tmp_path, builtin_1024):
+    assert train.main(["--config", str(SMOKE), *smoke_overrides(tmp_path, "device.type=cuda")]) == 0
+    (row,) = ledger.read(tmp_path / "ledger.csv")
+    assert row["device"].startswith("cuda") and math.isfinite(float(row["val_bpb"]))
