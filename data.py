@@ -484,7 +484,7 @@ def main(argv=None):
             meta = prepare_builtin(args.out, args.vocab_size, args.val_fraction)
     except DataError as e:
         sys.exit(f"error: {e}")
-    summary = {"out": args.out, **meta, "seconds": f"{time.perf_counter() - t0:.1f}"}
+    summary = {**vars(args), **meta, "seconds": f"{time.perf_counter() - t0:.1f}"}
     print(" ".join(f"{k}:{v}" for k, v in summary.items()))
     return meta
 
