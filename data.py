@@ -32,6 +32,7 @@ HEADER_INTS = 256
 SHARD_TOKENS = 100_000_000  # per shard file, as in the FineWeb shards
 TRAIN_CHUNK_CHARS = 2048  # sentencepiece trains on "sentences"; a chunk of whole lines is one
 TRAIN_MAX_CHARS = 12_000_000  # tokenizer training sample: 4M, 12M and all 32M built-in chars compress alike
+PREPARE_VERSION = 2  # bump when prepare() writes different shards for the same corpus (2: shuffled train order)
 
 
 class DataError(ValueError):
@@ -133,6 +134,12 @@ def corpus_sha256(documents):
 def is_val(name, val_fraction):
     """Stable split: a document's side depends only on its name."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2**64 < val_fraction
+
+
+def order_key(name):
+    """Train documents are written in this stable pseudo-random order: read contiguously, a
+    corpus in name order (the stdlib by folder) would end every run on whatever sorts last."""
+    return hashlib.sha256(b"order:" + name.encode()).digest()
 
 
 # -----------------------------------------------------------------------------
@@ -275,7 +282,7 @@ def prepare(documents, out_dir, vocab_size, val_fraction, tokenizer=None, progre
     if not docs:
         raise DataError(f"empty corpus for {out_dir}: {len(documents)} documents, none with text")
     val = [d for d in docs if is_val(d[0], val_fraction)]
-    train = [d for d in docs if not is_val(d[0], val_fraction)]
+    train = sorted((d for d in docs if not is_val(d[0], val_fraction)), key=lambda d: order_key(d[0]))
     if not train or not val:
         raise DataError(f"empty {'train' if not train else 'val'} split for {out_dir}: {len(docs)} documents, "
                         f"val_fraction {val_fraction} put {len(val)} in val; expected both splits non-empty "
@@ -306,7 +313,8 @@ def prepare(documents, out_dir, vocab_size, val_fraction, tokenizer=None, progre
                         f"{decoded_bytes}; expected equal (unsupported piece types?)")
     meta = dict(tokenizer=str(model.resolve()), vocab_size=vocab_size, train_tokens=train_tokens,
                 val_tokens=val_tokens, val_bytes=val_bytes, corpus_sha256=corpus_sha256(documents),
-                val_fraction=val_fraction, n_train_docs=len(train), n_val_docs=len(val))
+                val_fraction=val_fraction, n_train_docs=len(train), n_val_docs=len(val),
+                prepare_version=PREPARE_VERSION)
     tmp = out_dir / "meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(tmp, out_dir / "meta.json")  # written last: its presence means the folder is complete
@@ -319,8 +327,8 @@ def prepare_builtin(out_dir, vocab_size, val_fraction, progress=True):
     meta_path = Path(out_dir) / "meta.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        if (meta.get("corpus_sha256"), meta.get("vocab_size"), meta.get("val_fraction")) == (
-                corpus_sha256(documents), vocab_size, val_fraction):
+        if (meta.get("corpus_sha256"), meta.get("vocab_size"), meta.get("val_fraction"), meta.get("prepare_version")) == (
+                corpus_sha256(documents), vocab_size, val_fraction, PREPARE_VERSION):
             return {**meta, "tokenizer": str((Path(out_dir) / "tokenizer.model").resolve())}  # folder may have moved
     return prepare(documents, out_dir, vocab_size, val_fraction, progress=progress)
 

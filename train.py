@@ -415,7 +415,7 @@ def open_data(cfg: Config):
     if d.source == "builtin":
         root = Path(d.path) / f"sp{cfg.model.vocab_size}"
         meta = data.prepare_builtin(root, cfg.model.vocab_size, d.val_fraction)
-        tokenizer, fingerprint = meta["tokenizer"], meta["corpus_sha256"][:12]
+        tokenizer, fingerprint = meta["tokenizer"], f"{meta['corpus_sha256'][:12]}-v{meta['prepare_version']}"
     else:
         root, tokenizer = Path(d.path), d.tokenizer
         if not Path(tokenizer).is_file():

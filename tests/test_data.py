@@ -177,6 +177,17 @@ def test_split_is_stable():
     assert set(val) <= {n for n in names if data.is_val(n, 0.2)}
 
 
+def test_train_shards_hold_documents_in_shuffled_order(small):
+    out, meta = small
+    sp = spm.SentencePieceProcessor(model_file=meta["tokenizer"])
+    tokens = np.concatenate([data.load_shard(f) for f in sorted(out.glob("fineweb_train_*.bin"))]).tolist()
+    starts = [i for i, t in enumerate(tokens) if t == sp.bos_id()] + [len(tokens)]
+    texts = [sp.decode(tokens[a + 1:b]) for a, b in zip(starts, starts[1:])]
+    train = [d for d in crafted_documents() if d[1] and not data.is_val(d[0], 0.3)]
+    assert texts == [text for _, text in sorted(train, key=lambda d: data.order_key(d[0]))]
+    assert texts != [text for _, text in train]  # not the name order
+
+
 # -----------------------------------------------------------------------------
 # loaders
 
