@@ -479,14 +479,13 @@ class Trainer:
         self.cfg, self.config_path, self.overrides = cfg, str(config_path), list(overrides)
         self.resumed = load_checkpoint(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
         if self.resumed and self.resumed["config"]["model"] != dataclasses.asdict(cfg.model):
-            old, new = flatten(self.resumed["config"]["model"]), flatten(dataclasses.asdict(cfg.model))
-            diff = ", ".join(f"model.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
+            old, new = self.resumed["config"]["model"], dataclasses.asdict(cfg.model)
+            diff = ", ".join(f"model.{k}: {old.get(k)!r} -> {new.get(k)!r}"
+                             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
             raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume}: model differs from the checkpoint's ({diff})")
         self.run_id = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
         self.run_dir = Path(cfg.run.out_dir) / self.run_id
         self.checkpoint_path = Path(cfg.checkpoint.path or self.run_dir / "checkpoint.pt")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log_file = open(self.run_dir / "log.txt", "a")
 
         torch.manual_seed(cfg.run.seed)
         np.random.seed(cfg.run.seed)
@@ -592,6 +591,8 @@ class Trainer:
 
     def train(self) -> dict:
         cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_file = open(self.run_dir / "log.txt", "a")
         git_commit, git_dirty = git_state()
         self.log(f"run_id:{self.run_id} git:{git_commit}{'+dirty' if git_dirty else ''} config:{self.config_path} "
                  f"overrides:{' '.join(self.overrides) or '-'}")

@@ -68,6 +68,15 @@ def test_cli_reports_config_error_before_any_work(capsys):
     assert "did you mean model.n_layer?" in capsys.readouterr().err
 
 
+def test_tokenizer_vocab_must_match_the_model(tmp_path, builtin_1024, capsys):
+    shards = Path(builtin_1024["tokenizer"]).parent
+    args = smoke_overrides(tmp_path, "data.source=shards", f"data.path={shards}",
+                           f"data.tokenizer={builtin_1024['tokenizer']}", "model.vocab_size=512")
+    assert train.main(["--config", str(SMOKE), *args]) == 2
+    assert f"tokenizer {builtin_1024['tokenizer']} has 1024 tokens but model.vocab_size is 512" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # stopped before any work
+
+
 def test_every_config_loads():
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         load_config(path)
