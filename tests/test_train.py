@@ -190,3 +190,25 @@ def test_smoke_run_on_cuda(tmp_path, builtin_1024):
     assert train.main(["--config", str(SMOKE), *smoke_overrides(tmp_path, "device.type=cuda")]) == 0
     (row,) = ledger.read(tmp_path / "ledger.csv")
     assert row["device"].startswith("cuda") and math.isfinite(float(row["val_bpb"]))
+
+
+def test_a_crash_is_recorded_as_failed(tmp_path, builtin_1024, monkeypatch):
+    step = train.Trainer.step
+
+    def crash_on_third(self, progress):
+        if self.step_count == 2:
+            raise RuntimeError("simulated crash")
+        return step(self, progress)
+
+    monkeypatch.setattr(train.Trainer, "step", crash_on_third)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train.main(["--config", str(SMOKE), *smoke_overrides(tmp_path)])
+    (row,) = ledger.read(tmp_path / "ledger.csv")
+    assert row["status"] == "failed" and row["steps"] == "2" and "RuntimeError: simulated crash" in row["notes"]
+
+
+def test_a_non_finite_loss_stops_the_run_as_diverged(tmp_path, builtin_1024, monkeypatch):
+    monkeypatch.setattr(train.GPT, "loss", lambda self, x, y, reduction="mean": (self(x) * float("nan")).mean())
+    assert train.main(["--config", str(SMOKE), *smoke_overrides(tmp_path)]) == 1
+    (row,) = ledger.read(tmp_path / "ledger.csv")
+    assert row["status"] == "diverged" and row["steps"] == "2" and row["val_bpb"] == ""  # first log step
