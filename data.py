@@ -76,6 +76,11 @@ def load_shard(path, vocab_size=None):
     return tokens
 
 
+def split_files(folder, split):
+    """The shards of a split ("train" or "val") in a folder, in order: fineweb_<split>_NNNNNN.bin."""
+    return sorted(Path(folder).glob(f"fineweb_{split}_*.bin"))
+
+
 # -----------------------------------------------------------------------------
 # corpora
 
@@ -447,9 +452,9 @@ def unigram_bpb(data_dir, vocab_size):
     frequencies (add-one smoothed), over the same targets and bytes as val_bpb."""
     data_dir = Path(data_dir)
     counts = np.ones(vocab_size, dtype=np.float64)
-    for f in sorted(data_dir.glob("fineweb_train_*.bin")):
+    for f in split_files(data_dir, "train"):
         counts += np.bincount(load_shard(f, vocab_size), minlength=vocab_size)
-    val = np.concatenate([load_shard(f, vocab_size) for f in sorted(data_dir.glob("fineweb_val_*.bin"))])
+    val = np.concatenate([load_shard(f, vocab_size) for f in split_files(data_dir, "val")])
     stream = torch.from_numpy(val.astype(np.int64))
     n_bytes = int(ByteTable(data_dir / "tokenizer.model").target_bytes(stream[:-1], stream[1:]).sum())
     bits = -np.log2(counts / counts.sum())[val[1:]].sum()

@@ -420,8 +420,7 @@ def open_data(cfg: Config):
         root, tokenizer = Path(d.path), d.tokenizer
         if not Path(tokenizer).is_file():
             raise data.DataError(f"data.tokenizer={tokenizer}: no such file, expected the shards' sentencepiece .model")
-    train_files = sorted(root.glob("fineweb_train_*.bin"))
-    val_files = sorted(root.glob("fineweb_val_*.bin"))
+    train_files, val_files = data.split_files(root, "train"), data.split_files(root, "val")
     if not train_files or not val_files:
         raise data.DataError(f"{root}: expected fineweb_train_*.bin and fineweb_val_*.bin shards, found "
                              f"{len(train_files)} train and {len(val_files)} val")
@@ -651,7 +650,7 @@ class Trainer:
         return summary
 
     def finish(self, status, error, params, fpt, peak, step_ms, git_commit, git_dirty) -> dict:
-        """Evaluate (unless the run failed, diverged or was interrupted), checkpoint, ledger row."""
+        """Checkpoint (unless the run failed), evaluate (only if it is ok), ledger row."""
         cfg = self.cfg
         tokens_per_s = throughput(step_ms, cfg.optim.batch_tokens)
         if status != "failed" and self.step_count > 0:

@@ -11,7 +11,10 @@ import torch
 import data
 from data import DataError
 
-ROOT = Path(__file__).resolve().parents[1]
+
+
+def split_tokens(folder, split, vocab_size=None):
+    return np.concatenate([data.load_shard(f, vocab_size) for f in data.split_files(folder, split)])
 
 
 def crafted_documents(n=300, seed=0):
@@ -56,7 +59,7 @@ def doc_bytes(table, ids):
 def test_builtin_val_bytes_exact(builtin_1024):
     meta, folder = builtin_1024, Path(builtin_1024["tokenizer"]).parent
     sp = spm.SentencePieceProcessor(model_file=meta["tokenizer"])
-    tokens = np.concatenate([data.load_shard(f, 1024) for f in sorted(folder.glob("fineweb_val_*.bin"))])
+    tokens = split_tokens(folder, "val", 1024)
     assert len(tokens) == meta["val_tokens"] and tokens[0] == sp.bos_id()
     stream = torch.from_numpy(tokens.astype(np.int64))[None]
     assert int(data.ByteTable(meta["tokenizer"]).target_bytes(stream[:, :-1], stream[:, 1:]).sum()) == meta["val_bytes"]
@@ -180,7 +183,7 @@ def test_split_is_stable():
 def test_train_shards_hold_documents_in_shuffled_order(small):
     out, meta = small
     sp = spm.SentencePieceProcessor(model_file=meta["tokenizer"])
-    tokens = np.concatenate([data.load_shard(f) for f in sorted(out.glob("fineweb_train_*.bin"))]).tolist()
+    tokens = split_tokens(out, "train").tolist()
     starts = [i for i, t in enumerate(tokens) if t == sp.bos_id()] + [len(tokens)]
     texts = [sp.decode(tokens[a + 1:b]) for a, b in zip(starts, starts[1:])]
     train = [d for d in crafted_documents() if d[1] and not data.is_val(d[0], 0.3)]
@@ -301,7 +304,7 @@ def test_cli_prepare(tmp_path, capsys, monkeypatch):
     assert json.loads((out / "meta.json").read_text()) == meta
     assert meta["n_train_docs"] + meta["n_val_docs"] == len(docs) and meta["vocab_size"] == 300
     for split in ["train", "val"]:
-        sizes = [len(data.load_shard(f, 300)) for f in sorted(out.glob(f"fineweb_{split}_*.bin"))]
+        sizes = [len(data.load_shard(f, 300)) for f in data.split_files(out, split)]
         assert sum(sizes) == meta[f"{split}_tokens"] > 0 and set(sizes[:-1]) <= {5000} and 0 < sizes[-1] <= 5000
     assert len(sizes) < len(list(out.glob("fineweb_train_*.bin")))  # several train shards
     assert f"val_bytes:{meta['val_bytes']}" in capsys.readouterr().out
@@ -313,8 +316,8 @@ def test_cli_prepare(tmp_path, capsys, monkeypatch):
 def test_cli_unigram(small, capsys):
     out, meta = small
     result = data.main(["unigram", "--data", str(out), "--vocab-size", "300"])
-    train = np.concatenate([data.load_shard(f) for f in sorted(out.glob("fineweb_train_*.bin"))]).tolist()
-    val = np.concatenate([data.load_shard(f) for f in sorted(out.glob("fineweb_val_*.bin"))]).tolist()
+    train = split_tokens(out, "train").tolist()
+    val = split_tokens(out, "val").tolist()
     bits = sum(-np.log2((train.count(t) + 1) / (len(train) + 300)) for t in val[1:])
     assert result["val_bytes"] == meta["val_bytes"]  # the same denominator as val_bpb
     assert result["unigram_bpb"] == pytest.approx(bits / meta["val_bytes"], rel=1e-9)
