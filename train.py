@@ -29,7 +29,9 @@ from typing import get_type_hints
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import yaml
+from torch.utils._pytree import tree_map
 
 import data
 import ledger
@@ -48,6 +50,7 @@ class RunConfig:
     seed: int
     out_dir: str
     log_every: int
+    precompile: bool
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,8 @@ class EvalConfig:
 class DeviceConfig:
     type: str
     dtype: str
+    bf16: str
+    compile_cache: str
 
 
 @dataclass(frozen=True)
@@ -166,7 +171,8 @@ CHECKS = {
     "optim.weight_decay": non_negative, "optim.warmup": fraction, "optim.warmdown": fraction,
     "optim.lr_floor": fraction, "optim.grad_clip": non_negative, "budget.seconds": positive,
     "budget.max_steps": non_negative, "eval.tokens": non_negative, "eval.batch_size": positive,
-    "device.type": one_of("auto", "cpu", "cuda"), "device.dtype": one_of("auto", "float32", "bfloat16"),
+    "device.type": one_of("auto", "cpu", "cuda", "xla", "neuron"),
+    "device.dtype": one_of("auto", "float32", "bfloat16"), "device.bf16": one_of("autocast", "weights"),
     "checkpoint.every_seconds": non_negative,
 }
 
@@ -337,8 +343,12 @@ def param_groups(model: GPT, o: OptimConfig):
     return matrices, adam
 
 
-def make_optimizers(model: GPT, o: OptimConfig):
+def make_optimizers(model: GPT, o: OptimConfig, masters: dict):
+    """masters: parameter -> the fp32 copy the optimizer updates instead (bf16 weights); may be empty."""
     matrices, adam_groups = param_groups(model, o)
+    matrices = [masters.get(p, p) for p in matrices]
+    for group in adam_groups:
+        group["params"] = [masters.get(p, p) for p in group["params"]]
     optimizers = [Muon(matrices, lr=o.muon_lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps),
                   torch.optim.AdamW(adam_groups, betas=(o.beta1, o.beta2), eps=1e-10)]
     for opt in optimizers:
@@ -361,48 +371,170 @@ def lr_scale(p: float, o: OptimConfig) -> float:
 # Device facts live here and nowhere else.
 
 
-def pick_device(cfg: DeviceConfig) -> torch.device:
-    if cfg.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device.type=cuda but torch.cuda.is_available() is False")
-    if cfg.type == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.type)
+# Dense bf16 (and fp32) matmul FLOP/s per process, from the vendors' datasheets: the MFU
+# denominator where the device is known. A trn2 chip has 8 NeuronCores (667 TFLOPS bf16, 181 fp32);
+# one process drives one logical core: 1 physical core at LNC=1, 2 at LNC=2. Elsewhere: measured.
+PEAK_FLOPS = {
+    ("trn2-lnc1", torch.bfloat16): 667e12 / 8, ("trn2-lnc1", torch.float32): 181e12 / 8,
+    ("trn2-lnc2", torch.bfloat16): 667e12 / 4, ("trn2-lnc2", torch.float32): 181e12 / 4,
+    ("H100", torch.bfloat16): 989e12, ("H100", torch.float32): 67e12,  # SXM; fp32 without TF32
+    ("H200", torch.bfloat16): 989e12, ("H200", torch.float32): 67e12,
+}
 
 
-def autocast_dtype(cfg: DeviceConfig, device: torch.device) -> torch.dtype:
-    if cfg.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, cfg.dtype)
+class Backend:
+    """Device facts in one place: which device, precision, the step boundary, waits, collectives,
+    compile metrics and the MFU peak. Process facts (RANK, WORLD_SIZE) come from torchrun."""
 
+    def __init__(self, cfg: DeviceConfig):
+        self.rank, self.world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.type == "auto" else cfg.type
+        self.xla, self.on_trainium = None, False
+        if self.kind == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError("device.type=cuda but torch.cuda.is_available() is False")
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        elif self.kind == "xla":
+            # Python scalars 0 and 1 are otherwise baked into graphs as constants, so an LR that
+            # passes through 0 (warmup, the floor) would compile extra graphs.
+            os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")
+            try:
+                import torch_xla
+                import torch_xla.core.xla_model as xm
+                import torch_xla.debug.metrics as met
+                import torch_xla.runtime as xr
+            except ImportError as e:
+                raise ConfigError(f"device.type=xla needs torch-xla ({e}); see README, Trainium") from None
+            if cfg.compile_cache:
+                xr.initialize_cache(cfg.compile_cache, readonly=False)  # before any computation
+            self.xla = dict(torch_xla=torch_xla, xm=xm, met=met)
+            self.device = torch_xla.device()
+            self.on_trainium = xr.device_type() == "NEURON"
+        elif self.kind == "neuron":
+            try:
+                import torch_neuronx  # noqa: F401  registers the native "neuron" device and process group
+            except ImportError as e:
+                raise ConfigError(f"device.type=neuron needs the native TorchNeuron backend (torch-neuronx "
+                                  f">= 2.13, Neuron SDK 2.33+): {e}") from None
+            if not (torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == "neuron"):
+                raise ConfigError("device.type=neuron but no Neuron device is visible (neuron-ls)")
+            self.device, self.on_trainium = torch.device("neuron", local_rank), True
+        else:
+            self.device = torch.device("cpu")
+        if cfg.compile_cache and self.kind != "xla":
+            raise ConfigError(f"device.compile_cache is for device.type=xla, not {self.kind}")
+        accelerated = self.kind in ("cuda", "neuron") or self.on_trainium
+        self.dtype = (torch.bfloat16 if accelerated else torch.float32) if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+        self.bf16_weights = self.dtype == torch.bfloat16 and cfg.bf16 == "weights"
+        # Loss sums in float64 where it is cheap; Neuron has no float64.
+        self.sum_dtype = torch.float32 if self.kind in ("xla", "neuron") else torch.float64
+        self.control = None
+        if self.world_size > 1:
+            if self.kind == "xla":
+                import torch_xla.distributed.xla_backend  # registers the "xla" process group
+                dist.init_process_group("xla", init_method="xla://")
+                if dist.get_world_size() != self.world_size:  # seen with PJRT_DEVICE=CPU
+                    raise ConfigError(f"device.type=xla: torchrun started {self.world_size} processes but the "
+                                      f"xla process group has {dist.get_world_size()}; torch-xla's CPU backend "
+                                      f"has no multi-process collectives, use device.type=cpu with torchrun on a CPU")
+            else:
+                dist.init_process_group({"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}[self.kind])
+            # Host-side agreement (elapsed time, stop requests) goes over gloo, never through the device.
+            self.control = dist.group.WORLD if self.kind == "cpu" else dist.new_group(backend="gloo")
 
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
-    """Best observed FLOP/s of a square matmul on this device: the MFU denominator. Measured, not
-    looked up, so it is honest on any CPU; on GPUs it is below the datasheet peak."""
-    n = 4096 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = math.inf
-    for _ in range(6):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / 4)
-    return 2 * n ** 3 / best
+    def autocast(self):
+        if self.dtype == torch.float32 or self.bf16_weights:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
 
+    def mark_step(self):
+        """The end of one optimizer step: on XLA the traced step becomes one graph and runs."""
+        if self.xla:
+            self.xla["torch_xla"].sync()
 
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    def wait(self):
+        """Block until the device has finished all queued work (timing, the end of a run)."""
+        if self.kind == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.xla:
+            self.xla["xm"].wait_device_ops()
+        elif self.kind == "neuron":
+            torch.accelerator.synchronize()
 
+    def on_values(self, fn, *tensors):
+        """fn(*tensors) once their values exist: on XLA in a step closure, run at the next
+        mark_step after the graph has executed, so reading them adds no graph and no sync."""
+        if self.xla:
+            self.xla["xm"].add_step_closure(fn, args=tensors)
+        else:
+            fn(*tensors)
 
-def sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    def all_reduce_(self, tensors, mean: bool):
+        """Sum (or average) tensors over ranks in place, as one collective."""
+        if self.world_size == 1:
+            return
+        flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        dist.all_reduce(flat)
+        if mean:
+            flat /= self.world_size
+        for t, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(chunk.view_as(t))
+
+    def agree(self, elapsed_s: float, stop: bool):
+        """Every rank adopts the slowest clock and any rank's stop request, so all ranks take
+        the same LR and stop at the same step. Host-side (gloo): no device sync."""
+        if self.world_size == 1:
+            return elapsed_s, stop
+        state = torch.tensor([elapsed_s, float(stop)], dtype=torch.float64)
+        dist.all_reduce(state, op=dist.ReduceOp.MAX, group=self.control)
+        return state[0].item(), bool(state[1].item())
+
+    def compile_stats(self):
+        """XLA: (graphs compiled, compile seconds) so far in this process; None elsewhere."""
+        if not self.xla:
+            return None
+        met = self.xla["met"]
+        count, total_ns = (met.metric_data("CompileTime") or (0, 0))[:2]
+        return count, total_ns / 1e9
+
+    def transfers(self) -> int:
+        """XLA: device-to-host transfers so far in this process."""
+        return (self.xla["met"].metric_data("TransferFromDeviceTime") or (0,))[0]
+
+    def peak_flops(self) -> tuple:
+        """-> (FLOP/s, where it came from): PEAK_FLOPS for a known device, else measured here."""
+        name = ""
+        if self.on_trainium:
+            name = f"trn2-lnc{os.environ.get('NEURON_LOGICAL_NC_CONFIG', '2')}"
+        elif self.kind == "cuda":
+            name = next((n for n in ("H100", "H200") if n in torch.cuda.get_device_name(self.device)), "")
+        if (name, self.dtype) in PEAK_FLOPS:
+            return PEAK_FLOPS[name, self.dtype], f"{name} datasheet"
+        return self.measure_matmul_peak(), "measured"
+
+    def measure_matmul_peak(self) -> float:
+        """Best observed FLOP/s of a square matmul: on the GPU, or eagerly on the host CPU (which
+        is also what XLA's CPU backend runs on). Honest on any CPU; below the datasheet on GPUs."""
+        device = self.device if self.kind == "cuda" else torch.device("cpu")
+        n = 4096 if device.type == "cuda" else 1024
+        a = torch.randn(n, n, device=device, dtype=self.dtype)
+        b = torch.randn(n, n, device=device, dtype=self.dtype)
+        best = math.inf
+        for _ in range(6):
+            self.wait()
+            start = time.perf_counter()
+            for _ in range(4):
+                a @ b
+            self.wait()
+            best = min(best, (time.perf_counter() - start) / 4)
+        return 2 * n ** 3 / best
+
+    def peak_memory_mb(self) -> float:
+        if self.kind == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2 ** 20
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # host RSS; Linux reports KiB
 
 
 # ----------------------------------------------------------------------------------------------
@@ -471,6 +603,9 @@ def git_state():
     return git("rev-parse", "--short=12", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!ledger.csv"))
 
 
+PRECOMPILE_STEPS = 3  # step 1 also creates the optimizer state (a graph of its own); then the steady step
+
+
 class Trainer:
     """Holds everything of one run; `train()` is the loop, `step()` one optimizer step."""
 
@@ -482,45 +617,72 @@ class Trainer:
             diff = ", ".join(f"model.{k}: {old.get(k)!r} -> {new.get(k)!r}"
                              for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
             raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume}: model differs from the checkpoint's ({diff})")
+        self.backend = Backend(cfg.device)
+        self.device, self.is_main, world = self.backend.device, self.backend.rank == 0, self.backend.world_size
+        rank_tokens = cfg.optim.micro_batch * cfg.data.seq_len * world
+        if cfg.optim.batch_tokens % rank_tokens:
+            raise ConfigError(f"optim.batch_tokens ({cfg.optim.batch_tokens}) must be a multiple of optim.micro_batch "
+                              f"* data.seq_len * WORLD_SIZE ({cfg.optim.micro_batch} * {cfg.data.seq_len} * {world})")
+        self.accum_steps = cfg.optim.batch_tokens // rank_tokens
         self.run_id = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
         self.run_dir = Path(cfg.run.out_dir) / self.run_id
         self.checkpoint_path = Path(cfg.checkpoint.path or self.run_dir / "checkpoint.pt")
+        # Under neuron_parallel_compile outputs are zeros: such a run only traces, like precompile.
+        self.precompile = cfg.run.precompile or bool(os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY"))
 
-        torch.manual_seed(cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)  # the same on every rank: identical initial weights
         np.random.seed(cfg.run.seed)
         random.seed(cfg.run.seed)
-        self.device = pick_device(cfg.device)
-        self.dtype = autocast_dtype(cfg.device, self.device)
-        self.autocast = (torch.autocast(self.device.type, dtype=self.dtype)
-                         if self.dtype != torch.float32 else nullcontext())
-
         train_files, self.val_files, tokenizer, self.data_sha = open_data(cfg)
         self.bytes = data.ByteTable(tokenizer)
         if self.bytes.vocab_size != cfg.model.vocab_size:
             raise data.DataError(f"tokenizer {tokenizer} has {self.bytes.vocab_size} tokens but "
                                  f"model.vocab_size is {cfg.model.vocab_size}")
         self.bytes = self.bytes.to(self.device)
-        self.accum_steps = cfg.optim.batch_tokens // (cfg.optim.micro_batch * cfg.data.seq_len)
-        self.loader = data.TrainLoader(train_files, cfg.optim.micro_batch, cfg.data.seq_len,
-                                       cfg.model.vocab_size, prefetch=cfg.data.prefetch)
+        self.loader = data.TrainLoader(train_files, cfg.optim.micro_batch, cfg.data.seq_len, cfg.model.vocab_size,
+                                       rank=self.backend.rank, world_size=world, prefetch=cfg.data.prefetch)
 
         self.model = GPT(cfg.model).to(self.device)
-        self.optimizers = make_optimizers(self.model, cfg.optim)
+        self.masters = {}  # bf16 weights: parameter -> its fp32 master copy, which the optimizers update
+        if self.backend.bf16_weights:
+            self.model.to(torch.bfloat16)
+            self.masters = {p: p.detach().float() for p in self.model.parameters()}
+        self.optimizers = make_optimizers(self.model, cfg.optim, self.masters)
         self.step_count, self.train_s, self.compile_s = 0, 0.0, 0.0
         if self.resumed:
             self.restore(self.resumed)
-        self.stop_signal = None
+        self.inputs = self.fetch()
+        self.stop_signal, self.diverged, self.step_ms = None, False, []
 
     # -- state ---------------------------------------------------------------------------------
+    def fetch(self):
+        """The next step's micro-batches, moved to the device now: on XLA and CUDA the copy
+        overlaps the step the device is still running. Remembers the loader position before
+        them, which is what a checkpoint must record."""
+        self.loader_state = self.loader.state_dict()
+        return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                for x, y in (self.loader.next_batch() for _ in range(self.accum_steps))]
+
+    def model_state(self) -> dict:
+        state = self.model.state_dict()
+        names = {p: name for name, p in self.model.named_parameters()}
+        state.update({names[p]: master for p, master in self.masters.items()})  # fp32, not the bf16 copies
+        return state
+
     def state(self) -> dict:
-        return dict(model=self.model.state_dict(), optimizers=[o.state_dict() for o in self.optimizers],
-                    loader=self.loader.state_dict(), step=self.step_count, train_s=self.train_s,
-                    compile_s=self.compile_s, run_id=self.run_id, config=dataclasses.asdict(self.cfg),
-                    rng=dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
-                             cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None))
+        state = dict(model=self.model_state(), optimizers=[o.state_dict() for o in self.optimizers],
+                     loader=self.loader_state, step=self.step_count, train_s=self.train_s,
+                     compile_s=self.compile_s, run_id=self.run_id, config=dataclasses.asdict(self.cfg),
+                     rng=dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
+                              cuda=torch.cuda.get_rng_state_all() if self.backend.kind == "cuda" else None))
+        return tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, state)
 
     def restore(self, ckpt: dict):
         self.model.load_state_dict(ckpt["model"])
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if p in self.masters:
+                    self.masters[p].copy_(ckpt["model"][name])
         for opt, state in zip(self.optimizers, ckpt["optimizers"]):
             opt.load_state_dict(state)
         self.loader.load_state_dict(ckpt["loader"])
@@ -528,7 +690,7 @@ class Trainer:
         torch.set_rng_state(ckpt["rng"]["torch"])
         np.random.set_state(ckpt["rng"]["numpy"])
         random.setstate(ckpt["rng"]["python"])
-        if ckpt["rng"]["cuda"] is not None and self.device.type == "cuda":
+        if ckpt["rng"]["cuda"] is not None and self.backend.kind == "cuda":
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
 
     def save(self):
@@ -537,61 +699,97 @@ class Trainer:
         self.log(f"checkpoint:{self.checkpoint_path} save_s:{time.perf_counter() - start:.2f}")
 
     def log(self, line: str):
-        print(line, flush=True)
-        self.log_file.write(line + "\n")
-        self.log_file.flush()
+        if self.is_main:
+            print(line, flush=True)
+            self.log_file.write(line + "\n")
+            self.log_file.flush()
 
     # -- one optimizer step: no host sync in here --------------------------------------------
     def step(self, progress: float) -> torch.Tensor:
-        """Forward/backward over accum_steps micro-batches, then one update. Returns the mean
-        training loss as a device tensor (not read here)."""
+        """Forward/backward over accum_steps micro-batches, gradients averaged over ranks, one
+        update. Returns the mean training loss (of all ranks) as a device tensor, not read here."""
         scale = lr_scale(progress, self.cfg.optim)
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["peak_lr"] * scale
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(self.accum_steps):
-            x, y = self.loader.next_batch()
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self.autocast:
+        for x, y in self.inputs:
+            with self.backend.autocast():
                 loss = self.model.loss(x, y)
             (loss / self.accum_steps).backward()
             loss_sum += loss.detach()
+        loss = loss_sum / self.accum_steps
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        self.backend.all_reduce_([p.grad for p in params] + [loss], mean=True)
+        for p in params:
+            if p in self.masters:
+                self.masters[p].grad = p.grad.float()
         if self.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            torch.nn.utils.clip_grad_norm_([self.masters.get(p, p) for p in params], self.cfg.optim.grad_clip)
         for opt in self.optimizers:
             opt.step()
+        with torch.no_grad():
+            for p, master in self.masters.items():
+                p.copy_(master)
         self.model.zero_grad(set_to_none=True)
         self.step_count += 1
-        return loss_sum / self.accum_steps
+        return loss
 
     @torch.no_grad()
-    def evaluate(self):
+    def evaluate(self, max_batches=0):
         """-> (val_loss nats/token, val_bpb, target tokens, target bytes) over eval.tokens of the
-        validation split (0 = all of it), non-overlapping windows of data.seq_len."""
+        validation split (0 = all of it), non-overlapping windows of data.seq_len, sharded over
+        ranks. Every batch has the same shape (a short last one is padded and weighed 0), so
+        XLA compiles one eval graph."""
         self.model.eval()
-        nll = torch.zeros((), dtype=torch.float64, device=self.device)
-        n_bytes = torch.zeros((), dtype=torch.int64, device=self.device)
-        n_tokens = 0
-        for x, y in data.val_batches(self.val_files, self.cfg.data.seq_len, self.cfg.eval.batch_size,
-                                     self.cfg.model.vocab_size, max_tokens=self.cfg.eval.tokens):
-            x, y = x.to(self.device), y.to(self.device)
-            with self.autocast:
-                nll += self.model.loss(x, y, reduction="sum").double()
-            n_bytes += self.bytes.target_bytes(x, y).sum()
-            n_tokens += y.numel()
+        batch, seq_len = self.cfg.eval.batch_size, self.cfg.data.seq_len
+        # Made on the host, so every batch's graph sees them as data: one eval graph, not two.
+        # (torch-xla turns a 0-dim host tensor into a graph constant; a 1-element one stays data.)
+        nll = torch.zeros(1, dtype=self.backend.sum_dtype).to(self.device)
+        counts = torch.zeros(2, dtype=torch.int64).to(self.device)  # target bytes, target tokens
+        batches = data.val_batches(self.val_files, seq_len, batch, self.cfg.model.vocab_size,
+                                   max_tokens=self.cfg.eval.tokens, rank=self.backend.rank,
+                                   world_size=self.backend.world_size)
+        for i, (x, y) in enumerate(batches):
+            rows = x.size(0)
+            x, y = (torch.cat([t, t[:1].expand(batch - rows, -1)]).to(self.device) for t in (x, y))
+            weight = (torch.arange(batch) < rows).to(self.device)
+            with self.backend.autocast():
+                token_nll = self.model.loss(x, y, reduction="none").view(batch, seq_len)
+            nll += (token_nll.sum(1) * weight).sum().to(nll.dtype)
+            counts += torch.stack([(self.bytes.target_bytes(x, y).sum(1) * weight).sum(), weight.sum() * seq_len])
+            self.backend.mark_step()
+            if i + 1 == max_batches:
+                break
+        self.backend.all_reduce_([nll], mean=False)
+        self.backend.all_reduce_([counts], mean=False)
         self.model.train()
-        nll, n_bytes = nll.item(), int(n_bytes.item())
+        (nll,), (n_bytes, n_tokens) = nll.tolist(), counts.tolist()
         return nll / n_tokens, nll / (math.log(2) * n_bytes), n_tokens, n_bytes
 
     # -- the loop ------------------------------------------------------------------------------
     def on_signal(self, signum, frame):
         self.stop_signal = signum  # acted on between steps, so the checkpoint is consistent
 
+    def report(self, loss_total: torch.Tensor):
+        """The log line: mean loss of the steps since the last one, from the device's running sum
+        (never reset: a reset would make the next step a different XLA graph). The only read of
+        the step's outputs."""
+        total = loss_total.item()
+        loss = (total - self.logged[0]) / (self.step_count - self.logged[1])
+        self.logged = (total, self.step_count)
+        budget = self.cfg.budget.seconds
+        self.log(f"step:{self.step_count} loss:{loss:.4f} "
+                 f"tokens_per_s:{throughput(self.step_ms, self.cfg.optim.batch_tokens):.0f} "
+                 f"train_s:{self.train_s:.1f} p:{self.train_s / budget:.3f} "
+                 f"lr_scale:{lr_scale(self.train_s / budget, self.cfg.optim):.3f} epoch:{self.loader.epoch}")
+        self.diverged = not math.isfinite(loss)
+
     def train(self) -> dict:
-        cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log_file = open(self.run_dir / "log.txt", "a")
+        cfg, backend = self.cfg, self.backend
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.log_file = open(self.run_dir / "log.txt", "a")
         git_commit, git_dirty = git_state()
         self.log(f"run_id:{self.run_id} git:{git_commit}{'+dirty' if git_dirty else ''} config:{self.config_path} "
                  f"overrides:{' '.join(self.overrides) or '-'}")
@@ -599,61 +797,76 @@ class Trainer:
             self.log(f"config {key}:{value}")
         params = param_count(self.model)
         fpt = flops_per_token(cfg.model, cfg.data.seq_len)
-        peak = measure_matmul_peak(self.device, self.dtype)
-        tokens_per_step = cfg.optim.batch_tokens
-        self.log(f"device:{self.device} dtype:{str(self.dtype).removeprefix('torch.')} params:{params} "
-                 f"flops_per_token:{fpt:.4g} matmul_peak_flops:{peak:.4g} accum_steps:{self.accum_steps} "
+        peak = backend.peak_flops()
+        self.log(f"device:{self.device} dtype:{str(backend.dtype).removeprefix('torch.')} "
+                 f"bf16_weights:{backend.bf16_weights} world_size:{backend.world_size} params:{params} "
+                 f"flops_per_token:{fpt:.4g} peak_flops:{peak[0]:.4g} ({peak[1]}) accum_steps:{self.accum_steps} "
                  f"data:{self.data_sha} resumed_from:{self.resumed['run_id'] if self.resumed else '-'}")
 
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        status, error, step_ms, start_step = "ok", "", [], self.step_count
+        status, error, start_step = "ok", "", self.step_count
+        max_steps = start_step + PRECOMPILE_STEPS if self.precompile else cfg.budget.max_steps
         last_checkpoint = self.train_s
-        loss_sum = torch.zeros((), device=self.device)
-        losses_since_log = 0
+        loss_total = torch.zeros((), dtype=backend.sum_dtype, device=self.device)
+        self.logged = (0.0, start_step)  # (loss_total, step) at the last log line
         budget = cfg.budget.seconds
         try:
-            while self.train_s < budget and not (cfg.budget.max_steps and self.step_count >= cfg.budget.max_steps):
+            while True:
+                self.train_s, stop = backend.agree(self.train_s, self.stop_signal is not None)
+                if stop:
+                    status = "interrupted"
+                    break
+                if self.train_s >= budget or (max_steps and self.step_count >= max_steps):
+                    break
                 t0 = time.perf_counter()
-                loss_sum += self.step(self.train_s / budget)
-                losses_since_log += 1
-                if self.step_count == start_step + 1:  # allocator warm-up and any lazy compilation
-                    sync(self.device)
+                loss_total += self.step(self.train_s / budget)
+                if self.step_count % cfg.run.log_every == 0 and not self.precompile:
+                    backend.on_values(self.report, loss_total)
+                backend.mark_step()
+                self.inputs = self.fetch()
+                if self.step_count == start_step + 1:  # compilation (XLA, CUDA kernels), allocator warm-up
+                    backend.wait()
                     self.compile_s += time.perf_counter() - t0
                     self.train_s += self.compile_s if cfg.budget.count_compile else 0.0
                 else:
-                    step_ms.append((time.perf_counter() - t0) * 1000)
-                    self.train_s += step_ms[-1] / 1000
-                if self.step_count % cfg.run.log_every == 0 or self.train_s >= budget:
-                    loss = (loss_sum / losses_since_log).item()  # the only read of the step's outputs
-                    loss_sum.zero_()
-                    losses_since_log = 0
-                    self.log(f"step:{self.step_count} loss:{loss:.4f} tokens_per_s:{throughput(step_ms, tokens_per_step):.0f} "
-                             f"train_s:{self.train_s:.1f} p:{self.train_s / budget:.3f} "
-                             f"lr_scale:{lr_scale(self.train_s / budget, cfg.optim):.3f} epoch:{self.loader.epoch}")
-                    if not math.isfinite(loss):
-                        status = "diverged"
-                        break
-                if self.stop_signal is not None:
-                    status = "interrupted"
+                    self.step_ms.append((time.perf_counter() - t0) * 1000)
+                    self.train_s += self.step_ms[-1] / 1000
+                if self.diverged:
+                    status = "diverged"
                     break
-                if cfg.checkpoint.every_seconds and self.train_s - last_checkpoint >= cfg.checkpoint.every_seconds:
+                if (self.is_main and cfg.checkpoint.every_seconds and not self.precompile
+                        and self.train_s - last_checkpoint >= cfg.checkpoint.every_seconds):
                     self.save()
                     last_checkpoint = self.train_s
+            if self.step_count > self.logged[1] and not self.precompile:
+                self.report(loss_total)
+                status = "diverged" if self.diverged else status
         except Exception as e:
             status, error = "failed", f"{type(e).__name__}: {e}"
             raise
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
-            sync(self.device)
-            summary = self.finish(status, error, params, fpt, peak, step_ms, git_commit, git_dirty)
+            backend.wait()
+            summary = self.finish(status, error, params, fpt, peak, git_commit, git_dirty)
         return summary
 
-    def finish(self, status, error, params, fpt, peak, step_ms, git_commit, git_dirty) -> dict:
-        """Checkpoint (unless the run failed), evaluate (only if it is ok), ledger row."""
-        cfg = self.cfg
-        tokens_per_s = throughput(step_ms, cfg.optim.batch_tokens)
-        if status != "failed" and self.step_count > 0:
+    def finish(self, status, error, params, fpt, peak, git_commit, git_dirty) -> dict:
+        """Checkpoint (unless the run failed), evaluate (only if it is ok), ledger row. A
+        precompile run instead runs one eval batch and reports what it compiled."""
+        cfg, backend = self.cfg, self.backend
+        compiles = backend.compile_stats()
+        if self.precompile:
+            if status == "ok":
+                self.evaluate(max_batches=1)  # result ignored: under graph extraction it is zeros
+                compiles = backend.compile_stats()
+            self.loader.close()
+            self.log(f"precompile status:{status} steps:{self.step_count} eval_batches:1 "
+                     f"xla_compiles:{compiles[0] if compiles else '-'} "
+                     f"compile_s:{compiles[1] if compiles else self.compile_s:.2f}")
+            return dict(status=status)
+        tokens_per_s = throughput(self.step_ms, cfg.optim.batch_tokens)
+        if self.is_main and status != "failed" and self.step_count > 0:
             self.save()  # before the evaluation, so a kill during it loses no training
         val_loss = val_bpb = val_tokens = val_bytes = None
         eval_s = 0.0
@@ -661,29 +874,34 @@ class Trainer:
             start = time.perf_counter()
             val_loss, val_bpb, val_tokens, val_bytes = self.evaluate()
             eval_s = time.perf_counter() - start
+            compiles = backend.compile_stats()
         notes = [cfg.ledger.notes] if cfg.ledger.notes else []
         if self.resumed:
             notes.append(f"resumed from {self.resumed['run_id']} at step {self.resumed['step']}")
-        notes.append(f"matmul_peak_flops={peak:.4g} measured")
+        notes.append(f"peak_flops={peak[0]:.4g} {peak[1]}")
+        if compiles:
+            notes.append(f"xla_transfers={backend.transfers()} warmup_s={self.compile_s:.2f}")
         if error:
             notes.append(error)
         row = dict(
             time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), run_id=self.run_id, git_commit=git_commit,
             git_dirty=git_dirty, config=self.config_path, config_sha=hashlib.sha256(json.dumps(
                 dataclasses.asdict(cfg), sort_keys=True).encode()).hexdigest()[:12],
-            overrides=" ".join(self.overrides), device=str(self.device), world_size=1, seed=cfg.run.seed,
-            data_sha=self.data_sha, params=params, active_params=params, budget_s=cfg.budget.seconds,
-            train_s=self.train_s, compile_s=self.compile_s, data_wait_s=self.loader.wait_s, eval_s=eval_s,
-            steps=self.step_count, tokens=self.step_count * cfg.optim.batch_tokens, tokens_per_s=tokens_per_s,
-            step_ms_p50=statistics.median(step_ms) if step_ms else None, flops_per_token=fpt,
-            mfu=fpt * tokens_per_s / peak, val_loss=val_loss, val_bpb=val_bpb, val_tokens=val_tokens,
-            val_bytes=val_bytes, xla_compiles=None, peak_mem_mb=peak_memory_mb(self.device), stages=None,
-            status=status, notes="; ".join(notes))
-        ledger.append(cfg.ledger.path, row)
+            overrides=" ".join(self.overrides), device=str(self.device), world_size=backend.world_size,
+            seed=cfg.run.seed, data_sha=self.data_sha, params=params, active_params=params,
+            budget_s=cfg.budget.seconds, train_s=self.train_s, compile_s=compiles[1] if compiles else self.compile_s,
+            data_wait_s=self.loader.wait_s, eval_s=eval_s, steps=self.step_count,
+            tokens=self.step_count * cfg.optim.batch_tokens, tokens_per_s=tokens_per_s,
+            step_ms_p50=statistics.median(self.step_ms) if self.step_ms else None, flops_per_token=fpt,
+            mfu=fpt * tokens_per_s / (peak[0] * backend.world_size), val_loss=val_loss, val_bpb=val_bpb,
+            val_tokens=val_tokens, val_bytes=val_bytes, xla_compiles=compiles[0] if compiles else None,
+            peak_mem_mb=backend.peak_memory_mb(), stages=None, status=status, notes="; ".join(notes))
         self.loader.close()
-        self.log("summary " + " ".join(f"{k}:{v:.6g}" if isinstance(v, float) else f"{k}:{v}"
-                                       for k, v in row.items() if v not in (None, "") and k != "notes"))
-        self.log_file.close()
+        if self.is_main:
+            ledger.append(cfg.ledger.path, row)
+            self.log("summary " + " ".join(f"{k}:{v:.6g}" if isinstance(v, float) else f"{k}:{v}"
+                                           for k, v in row.items() if v not in (None, "") and k != "notes"))
+            self.log_file.close()
         return row
 
 
@@ -704,8 +922,12 @@ def main(argv=None) -> int:
     except (ConfigError, data.DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    row = trainer.train()
-    return 128 + trainer.stop_signal if row["status"] == "interrupted" else (0 if row["status"] == "ok" else 1)
+    try:
+        status = trainer.train()["status"]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 128 + (trainer.stop_signal or signal.SIGTERM) if status == "interrupted" else (0 if status == "ok" else 1)
 
 
 if __name__ == "__main__":
