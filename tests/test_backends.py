@@ -1,0 +1,116 @@
+"""Backends and processes: torch-xla on its CPU backend (the lazy-tensor engine Trainium uses),
+torchrun data parallel over gloo, the bf16-weights policy, precompilation, the MFU peak table."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ledger
+import train
+from train import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.yaml"
+XLA_GRAPHS = 3  # the first train step (it also creates the optimizer state), the steady train step, eval
+
+
+def smoke_args(tmp_path, *extra):
+    return ["--config", str(SMOKE), f"data.path={ROOT / 'data' / 'builtin'}",
+            f"ledger.path={tmp_path / 'ledger.csv'}", f"run.out_dir={tmp_path / 'runs'}", *extra]
+
+
+def run(args, launcher=(sys.executable, str(ROOT / "train.py"))):
+    """train.py in a fresh process (torch-xla state and process groups are per process)."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    out = subprocess.run([*launcher, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def note(row, key):
+    return next(part.split("=")[1].split()[0] for part in row["notes"].split("; ") if key + "=" in part)
+
+
+@pytest.mark.xla
+def test_xla_compiles_a_fixed_set_of_graphs_and_reads_only_at_log_steps(tmp_path, builtin_1024):
+    run(smoke_args(tmp_path, "device.type=xla", "budget.max_steps=4", "run.log_every=2"))
+    run(smoke_args(tmp_path, "device.type=xla", "budget.max_steps=8", "run.log_every=2"))
+    run(smoke_args(tmp_path, "budget.max_steps=8", "run.log_every=2"))  # eager CPU, the reference
+    short, long, eager = ledger.read(tmp_path / "ledger.csv")
+    assert int(short["xla_compiles"]) == int(long["xla_compiles"]) == XLA_GRAPHS  # not growing with steps
+    assert eager["xla_compiles"] == ""
+    # Twice the steps cost exactly two more device->host reads: the two extra log lines.
+    assert int(note(long, "xla_transfers")) - int(note(short, "xla_transfers")) == 2
+    # The same numbers as eager execution, up to float summation order.
+    assert float(long["val_bpb"]) == pytest.approx(float(eager["val_bpb"]), rel=1e-4)
+    assert (long["val_tokens"], long["val_bytes"]) == (eager["val_tokens"], eager["val_bytes"])
+
+
+COUNTERS = ("import json, sys, train, torch_xla.debug.metrics as met; code = train.main(sys.argv[1:]); "
+            "print('COUNTERS', json.dumps({k: met.counter_value(k) for k in met.counter_names()})); sys.exit(code)")
+
+
+@pytest.mark.xla
+def test_precompile_runs_every_graph_of_the_timed_run(tmp_path, builtin_1024):
+    cache = f"device.compile_cache={tmp_path / 'xla_cache'}"
+    launcher = (sys.executable, "-c", COUNTERS)
+    out = run(smoke_args(tmp_path, "device.type=xla", cache, "run.precompile=true"), launcher)
+    assert f"xla_compiles:{XLA_GRAPHS}" in out
+    assert not (tmp_path / "ledger.csv").exists()  # a precompile run is not a run
+    counters = json.loads(run(smoke_args(tmp_path, "device.type=xla", cache), launcher).split("COUNTERS ")[1])
+    # Every graph of the timed run was found in the cache the precompile run filled. (On CPU the
+    # found executable cannot be deserialized, so it is compiled again; Neuron caches NEFFs.)
+    assert counters.get("PersistentCacheMiss", 0) == 0
+    assert counters.get("PersistentCacheHit", 0) + counters.get("PersistentCacheDeserializeFailure", 0) == XLA_GRAPHS
+
+
+def test_two_process_data_parallel_matches_one_process(tmp_path, builtin_1024):
+    """Same global batch (512 tokens): 1 process x 2 micro-batches vs 2 ranks x 1, same tokens."""
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                str(ROOT / "train.py"))
+    run(smoke_args(tmp_path, "run.log_every=8"))
+    out = run(smoke_args(tmp_path, "run.log_every=8"), torchrun)
+    one, two = ledger.read(tmp_path / "ledger.csv")  # rank 0 alone writes: one row per run
+    assert (one["world_size"], two["world_size"]) == ("1", "2")
+    # Sharded evaluation sums to the same targets and bytes; the losses agree to reduction order.
+    assert (one["val_tokens"], one["val_bytes"]) == (two["val_tokens"], two["val_bytes"])
+    assert float(two["val_bpb"]) == pytest.approx(float(one["val_bpb"]), rel=1e-4)
+    loss = float(out.split("step:8 loss:")[1].split()[0])
+    one_log = next((tmp_path / "runs").glob(f"{one['run_id']}/log.txt")).read_text()
+    assert loss == pytest.approx(float(one_log.split("step:8 loss:")[1].split()[0]), rel=1e-4)
+    assert out.count("step:8 loss:") == 1  # rank 0 alone logs
+
+
+def test_bf16_weights_keep_fp32_masters(tmp_path, builtin_1024):
+    cfg = load_config(SMOKE, smoke_args(tmp_path, "device.dtype=bfloat16", "device.bf16=weights")[2:])
+    trainer = train.Trainer(cfg)
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+    optimized = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
+    assert len(optimized) == len(trainer.masters) and all(p.dtype == torch.float32 for p in optimized)
+    for _ in range(2):
+        trainer.step(0.0)
+        trainer.inputs = trainer.fetch()
+    for p, master in trainer.masters.items():
+        assert torch.equal(p, master.bfloat16())
+    assert all(v.dtype == torch.float32 for k, v in trainer.state()["model"].items() if "inv_freq" not in k)
+    trainer.loader.close()
+
+
+def test_missing_backends_are_clear_errors(tmp_path, capsys):
+    assert train.main(smoke_args(tmp_path, "device.type=neuron")) == 2
+    assert "device.type=neuron needs the native TorchNeuron backend" in capsys.readouterr().err
+    assert train.main(smoke_args(tmp_path, "device.compile_cache=/tmp/c")) == 2
+    assert "device.compile_cache is for device.type=xla" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lnc,dtype,peak", [("1", torch.bfloat16, 667e12 / 8), ("2", torch.bfloat16, 667e12 / 4),
+                                            ("2", torch.float32, 181e12 / 4)])
+def test_trainium_mfu_peak_comes_from_the_table(monkeypatch, lnc, dtype, peak):
+    backend = train.Backend(load_config(SMOKE).device)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", lnc)
+    backend.on_trainium, backend.dtype = True, dtype
+    assert backend.peak_flops() == (peak, f"trn2-lnc{lnc} datasheet")
