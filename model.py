@@ -1,9 +1,14 @@
 """GPT for AION: RMSNorm, rotary positions, grouped-query attention with QK-norm, ReLU^2 or
-SwiGLU MLP, optional tied embeddings, logit soft-cap, zero-initialised output projections.
+SwiGLU MLP, optional tied embeddings, logit soft-cap, zero-initialised output projections, and
+optional Mixture-of-Depths routing of chosen layers by tile, layer or micro-batch.
 
-Shapes in comments: B batch, T sequence, C = n_embd, H heads, K kv heads, D = C // H, V vocab.
-The model config is any object with the attributes of the `model` section of configs/base.yaml.
+Shapes in comments: B batch, T sequence, C = n_embd, H heads, K kv heads, D = C // H, V vocab,
+n = T // block_size tiles, k selected units. The model config is any object with the attributes
+of the `model` section of configs/base.yaml; the routing config (`mod`) one with granularity,
+layers, block_size, capacity and aux_weight.
 """
+
+import math
 
 import torch
 import torch.nn as nn
@@ -20,9 +25,9 @@ class Rotary(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x):  # x: (B, H, T, D) -> same, rotated by position
-        t = torch.arange(x.size(-2), device=x.device, dtype=torch.float32)
-        freqs = torch.outer(t, self.inv_freq)  # (T, D/2)
+    def forward(self, x, pos=None):  # x: (B, H, T, D), pos: (B, T) or None = 0..T-1 -> x rotated
+        t = torch.arange(x.size(-2), device=x.device) if pos is None else pos[:, None]  # (T,) or (B, 1, T)
+        freqs = t.float()[..., None] * self.inv_freq  # (T, D/2) or (B, 1, T, D/2)
         cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
@@ -43,13 +48,16 @@ class Attention(nn.Module):
         self.q_gain = nn.Parameter(torch.full((self.n_head,), cfg.qk_gain_init))
         self.rotary = Rotary(self.head_dim, cfg.rope_base)
 
-    def forward(self, x):
+    def forward(self, x, pos=None, mask=None):
+        """pos: (B, T) token positions (routed tiles keep their original ones); mask: (B, 1, T, T)
+        bool, True = may attend, replacing the causal mask."""
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k, v = self.c_kv(x).view(B, T, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, K, T, D)
-        q, k = self.rotary(rms_norm(q)), self.rotary(rms_norm(k))
+        q, k = self.rotary(rms_norm(q), pos), self.rotary(rms_norm(k), pos)
         q = q * self.q_gain.to(q.dtype)[None, :, None, None]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.n_kv_head != self.n_head)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -75,18 +83,120 @@ class Block(nn.Module):
         super().__init__()
         self.attn, self.mlp = Attention(cfg), MLP(cfg)
 
-    def forward(self, x):
-        x = x + self.attn(rms_norm(x))
+    def forward(self, x, pos=None, mask=None):
+        x = x + self.attn(rms_norm(x), pos, mask)
         return x + self.mlp(rms_norm(x))
 
 
+def units_selected(capacity: float, n: int) -> int:
+    """k = ceil(capacity * n), the static number of units (tiles, sequences) routed through. The
+    product is rounded first so float error (0.3 * 10 = 3.0000000000000004) adds no unit."""
+    return math.ceil(round(capacity * n, 9))
+
+
+class TileRouter(nn.Module):
+    """Block-granularity Mixture-of-Depths for one layer: the sequence is cut into tiles of
+    block_size tokens and each tile goes through the layer, or around it, as a unit.
+
+    Router and predictor read the residual stream at the last token of the previous tile (zeros
+    for tile 0), so neither a tile's weight nor its evaluation decision depends on its own tokens
+    or later ones. Training: the top-k tiles of each sequence by router score are gathered in
+    ascending order (causal order kept), run with their original positions, and their residual
+    delta, scaled by w = sigmoid(score), is added back; gradients reach the router through w.
+    Top-k looks at later tiles, so evaluation instead processes tile j iff predictor logit > 0.
+    The predictor learns top-k membership (BCE) from a detached context, so it does not shape
+    the residual stream. Evaluation counts, on the device, how often the two decisions agree.
+    """
+
+    def __init__(self, n_embd, block_size):
+        super().__init__()
+        self.block_size = block_size
+        # Biases give the predictor a threshold, and tile 0 (zero context) a learnable decision.
+        self.router = nn.Linear(n_embd, 1)
+        self.predictor = nn.Linear(n_embd, 1)
+        self.register_buffer("agree", torch.zeros((), dtype=torch.long), persistent=False)
+        self.register_buffer("total", torch.zeros((), dtype=torch.long), persistent=False)
+
+    def forward(self, block, x, k):
+        """x: (B, T, C); k tiles per sequence go through `block` -> (x (B, T, C), predictor BCE)."""
+        B, T, C = x.shape
+        bs = self.block_size
+        assert T % bs == 0 and 1 <= k <= T // bs, (T, bs, k)
+        ctx = torch.cat((x.new_zeros(B, 1, C), x[:, bs - 1::bs][:, :-1]), dim=1)  # (B, n, C)
+        h = rms_norm(ctx)
+        score = self.router(h).squeeze(-1)  # (B, n)
+        logit = self.predictor(h.detach()).squeeze(-1)  # (B, n)
+        top = score.topk(k, dim=-1).indices  # (B, k)
+        target = torch.zeros_like(logit).scatter(1, top, 1.0)  # (B, n) top-k membership, no gradient
+        bce = F.binary_cross_entropy_with_logits(logit, target)
+        w = torch.sigmoid(score)  # bounded, so a tile's delta is at most the layer's full delta
+        if self.training:
+            return self.gathered(block, x, top.sort(dim=-1).values, w), bce
+        keep = logit > 0  # (B, n)
+        self.agree += (keep == target.bool()).sum()
+        self.total += keep.numel()
+        return self.masked(block, x, keep, w), bce
+
+    def gathered(self, block, x, tiles, w):
+        """Run `block` on the ascending tiles (B, k) of x only; add their w-scaled deltas back."""
+        B, T, C = x.shape
+        bs, k = self.block_size, tiles.size(1)
+        x_tiles = x.view(B, T // bs, bs, C)
+        index = tiles[:, :, None, None].expand(B, k, bs, C)
+        x_sel = x_tiles.gather(1, index).view(B, k * bs, C)
+        pos = (tiles[:, :, None] * bs + torch.arange(bs, device=x.device)).view(B, k * bs)
+        delta = (block(x_sel, pos) - x_sel).view(B, k, bs, C) * w.gather(1, tiles)[:, :, None, None]
+        return x_tiles.scatter_add(1, index, delta).view(B, T, C)
+
+    def masked(self, block, x, keep, w):
+        """What `gathered` computes for the kept tiles (B, n) bool, on the whole sequence: queries
+        attend only to keys of kept tiles; tokens of the other tiles keep x."""
+        B, T, C = x.shape
+        keep = keep[:, :, None].expand(-1, -1, self.block_size).reshape(B, T)  # (B, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        # A skipped token may see itself, so no attention row is empty (its output is dropped).
+        self_only = torch.eye(T, dtype=torch.bool, device=x.device)
+        mask = causal & (keep[:, None, :] | self_only)  # (B, T, T)
+        y = block(x, mask=mask[:, None])
+        w = w[:, :, None].expand(-1, -1, self.block_size).reshape(B, T, 1)
+        return torch.where(keep[..., None], x + w * (y - x), x)
+
+
 class GPT(nn.Module):
-    def __init__(self, cfg):
+    """mod: None or granularity "none" = dense. Otherwise the layers in mod.layers are routed:
+
+    - block: TileRouter per layer; ceil(capacity * n) of the n tiles of each sequence go through.
+    - layer: a routed layer runs on a whole micro-batch or is skipped; its residual delta is
+      scaled by a learned gate (init 1). Rule: the layer at position r among the routed layers
+      runs on micro-batch m iff ceil(c * (s + 1)) > ceil(c * s), s = m + r. A Bresenham spread:
+      of any P consecutive s (c * P whole) exactly c * P run, and at one micro-batch the routed
+      layers (consecutive s) share about c * len(layers) runs, at least one if that is >= 1.
+      A layer gets its share when micro_step covers whole periods P: accum_steps a multiple of
+      P, or micro_step counting micro-batches across steps (up to P graphs). Evaluation runs
+      every layer with its gate (LayerDrop).
+    - microbatch: the first ceil(capacity * B) sequences take the deep path, the others skip
+      the routed layers (data order is shuffled, so this split is data-independent);
+      evaluation takes the deep path for all.
+    Skipped work is not computed. Shapes depend only on B, T and capacity (set_capacity).
+    """
+
+    def __init__(self, cfg, mod=None):
         super().__init__()
         self.cfg = cfg
+        self.granularity = "none" if mod is None else mod.granularity
+        assert self.granularity in ("none", "block", "layer", "microbatch"), self.granularity
+        self.routed = () if self.granularity == "none" else tuple(mod.layers)
+        assert all(0 <= i < cfg.n_layer for i in self.routed), (self.routed, cfg.n_layer)
+        self.aux_weight = 0.0 if mod is None else mod.aux_weight
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        block_routed = self.routed if self.granularity == "block" else ()
+        self.routers = nn.ModuleDict({str(i): TileRouter(cfg.n_embd, mod.block_size) for i in block_routed})
+        layer_routed = self.routed if self.granularity == "layer" else ()
+        self.gates = nn.ParameterDict({str(i): nn.Parameter(torch.ones(())) for i in layer_routed})
+        self.set_capacity(1.0 if mod is None else mod.capacity)
+        self.aux_loss = torch.zeros(())  # set by every forward: aux_weight * sum of the routers' BCE
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -98,12 +208,42 @@ class GPT(nn.Module):
                     nn.init.zeros_(m.weight)  # each residual branch and the head start as no-ops
                 else:
                     nn.init.normal_(m.weight, std=m.in_features ** -0.5)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        for gate in self.gates.values():
+            nn.init.ones_(gate)
 
-    def forward(self, idx):
-        """idx: (B, T) int64 -> logits (B, T, V) fp32; position t sees only idx[:, :t+1]."""
+    def set_capacity(self, capacity: float):
+        """Share of units routed through every routed layer; a change is a new static shape."""
+        assert 0 < capacity <= 1, capacity
+        self.capacity = capacity
+
+    def layer_runs(self, position: int, micro_step: int) -> bool:
+        """granularity=layer, training: does the routed layer at `position` run on this micro-batch?"""
+        s = micro_step + position
+        return units_selected(self.capacity, s + 1) > units_selected(self.capacity, s)
+
+    def forward(self, idx, micro_step: int = 0):
+        """idx: (B, T) int64 -> logits (B, T, V) fp32. In eval mode position t sees only
+        idx[:, :t+1]. micro_step: index of the micro-batch in the optimizer step (layer routing)."""
         x = rms_norm(self.wte(idx))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
+        aux = torch.zeros((), device=x.device)
+        for i, block in enumerate(self.blocks):
+            if i not in self.routed:
+                x = block(x)
+            elif self.granularity == "block":
+                k = units_selected(self.capacity, x.size(1) // self.routers[str(i)].block_size)
+                x, bce = self.routers[str(i)](block, x, k)
+                aux = aux + bce
+            elif self.granularity == "layer":
+                if not self.training or self.layer_runs(self.routed.index(i), micro_step):
+                    x = x + self.gates[str(i)] * (block(x) - x)
+            elif self.training:  # microbatch: the first k sequences go deep
+                k = units_selected(self.capacity, x.size(0))
+                x = torch.cat((block(x[:k]), x[k:]))
+            else:
+                x = block(x)
+        self.aux_loss = self.aux_weight * aux
         x = rms_norm(x)
         logits = F.linear(x, self.wte.weight if self.lm_head is None else self.lm_head.weight).float()
         cap = self.cfg.logit_softcap
@@ -111,25 +251,69 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits / cap)  # bounded logits keep early training stable
         return logits
 
-    def loss(self, idx, targets, reduction="mean"):
-        """Cross-entropy in nats of targets (B, T); reduction="sum" for evaluation sums."""
-        logits = self(idx)
+    def loss(self, idx, targets, reduction="mean", micro_step: int = 0):
+        """Cross-entropy in nats of targets (B, T); reduction="sum" for evaluation sums.
+        The routers' auxiliary loss is separate: self.aux_loss after this call."""
+        logits = self(idx, micro_step)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction=reduction)
+
+    def reset_routing_stats(self):
+        for router in self.routers.values():
+            router.agree.zero_()
+            router.total.zero_()
+
+    def routing_agreement(self):
+        """-> (agree, total) int64 device tensors: evaluation tiles whose predictor decision
+        matched the top-k of the router scores, and all evaluated tiles, summed over routed layers
+        since reset_routing_stats(). (0, 0) without block routing."""
+        zero = torch.zeros((), dtype=torch.long, device=self.wte.weight.device)
+        agree = sum((r.agree for r in self.routers.values()), zero)
+        return agree, sum((r.total for r in self.routers.values()), zero)
 
 
 def param_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def flops_per_token(cfg, seq_len: int) -> float:
+def routed_share(mod, seq_len: int) -> float:
+    """Share of a routed layer's tokens that go through it: realised ceil(c * n) / n tiles for
+    block routing; the capacity for layer (its long-run share) and microbatch (B is not known)."""
+    if mod.granularity == "block":
+        n = seq_len // mod.block_size
+        return units_selected(mod.capacity, n) / n
+    return mod.capacity
+
+
+def active_params(model: GPT) -> int:
+    """Parameters used per token: a routed layer's block counts with the capacity share of the
+    tokens (the realised block share also depends on T); embeddings, head, routers, predictors
+    and gates count fully."""
+    routed = sum(p.numel() for i in model.routed for p in model.blocks[i].parameters())
+    return round(param_count(model) - (1 - model.capacity) * routed)
+
+
+def flops_per_token(cfg, seq_len: int, mod=None) -> float:
     """Training FLOPs per token (forward + backward = 3 x forward, a multiply-add = 2 FLOPs).
     Counts every matmul: q, kv, attention output and MLP projections, the output head, and
     causal attention itself (QK^T and AV: 2 x 2 x C per key, T/2 keys on average). Embedding
-    lookups, norms and elementwise work are not counted."""
+    lookups, norms and elementwise work are not counted.
+    With routing (mod), a routed layer's matmuls count with its token share s (routed_share);
+    its attention with s^2 for block routing (s*T queries over s*T keys) and s otherwise; block
+    routing adds each layer's router and predictor, Linear(C, 1) each, once per tile. Gates,
+    gathers and the evaluation mask are not counted."""
     C, L = cfg.n_embd, cfg.n_layer
     kv_dim = cfg.n_kv_head * (C // cfg.n_head)
     hidden = cfg.mlp_mult * C
     mlp_in = (2 if cfg.mlp == "swiglu" else 1) * hidden
-    matmul_params = L * (C * C + C * 2 * kv_dim + C * C + C * mlp_in + hidden * C) + C * cfg.vocab_size
-    attention = L * 2 * 2 * C * seq_len / 2
+    layer_params = C * C + C * 2 * kv_dim + C * C + C * mlp_in + hidden * C
+    layer_attention = 2 * 2 * C * seq_len / 2
+    matmul_params = L * layer_params + C * cfg.vocab_size
+    attention = L * layer_attention
+    if mod is not None and mod.granularity != "none":
+        routed, share = len(mod.layers), routed_share(mod, seq_len)
+        attention_share = share ** 2 if mod.granularity == "block" else share
+        matmul_params -= routed * (1 - share) * layer_params
+        attention -= routed * (1 - attention_share) * layer_attention
+        if mod.granularity == "block":
+            matmul_params += routed * 2 * C / mod.block_size
     return 3 * (2 * matmul_params + attention)

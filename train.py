@@ -24,6 +24,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import get_type_hints
 
@@ -35,7 +36,7 @@ from torch.utils._pytree import tree_map
 
 import data
 import ledger
-from model import GPT, flops_per_token, param_count
+from model import GPT, active_params, flops_per_token, param_count
 
 ROOT = Path(__file__).resolve().parent
 BASE_CONFIG = ROOT / "configs" / "base.yaml"
@@ -77,6 +78,15 @@ class ModelConfig:
     rope_base: float
     qk_gain_init: float
     embed_init_std: float
+
+
+@dataclass(frozen=True)
+class ModConfig:
+    granularity: str
+    layers: tuple
+    block_size: int
+    capacity: float
+    aux_weight: float
 
 
 @dataclass(frozen=True)
@@ -137,6 +147,7 @@ class Config:
     run: RunConfig
     data: DataConfig
     model: ModelConfig
+    mod: ModConfig
     optim: OptimConfig
     budget: BudgetConfig
     eval: EvalConfig
@@ -164,7 +175,8 @@ CHECKS = {
     "data.prefetch": non_negative, "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
     "model.n_layer": positive, "model.n_embd": positive, "model.n_head": positive, "model.n_kv_head": positive,
     "model.mlp_mult": positive, "model.mlp": one_of("relu2", "swiglu"), "model.logit_softcap": non_negative,
-    "model.rope_base": positive, "model.embed_init_std": positive, "optim.batch_tokens": positive,
+    "model.rope_base": positive, "mod.granularity": one_of("none", "block", "layer", "microbatch"),
+    "mod.block_size": positive, "mod.capacity": (lambda v: 0 < v <= 1, "in (0, 1]"), "mod.aux_weight": non_negative, "model.embed_init_std": positive, "optim.batch_tokens": positive,
     "optim.micro_batch": positive, "optim.muon_lr": non_negative, "optim.muon_momentum": fraction,
     "optim.muon_ns_steps": positive, "optim.embed_lr": non_negative, "optim.head_lr": non_negative,
     "optim.scalar_lr": non_negative, "optim.beta1": fraction, "optim.beta2": fraction,
@@ -232,6 +244,10 @@ def coerce(value, typ, key):
         return ""
     if typ is int and isinstance(value, float) and value.is_integer():
         return int(value)
+    if typ is tuple and isinstance(value, list):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{key}: expected a list of integers, got {value!r}")
+        return tuple(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
     return value
@@ -274,6 +290,13 @@ def validate(cfg: Config):
                           f"data.seq_len ({o.micro_batch} * {cfg.data.seq_len})")
     if 0 < cfg.eval.tokens < cfg.data.seq_len:
         raise ConfigError(f"eval.tokens ({cfg.eval.tokens}) must be 0 (all) or at least data.seq_len ({cfg.data.seq_len})")
+    r = cfg.mod
+    if r.granularity != "none":
+        if not r.layers or len(set(r.layers)) != len(r.layers) or not all(0 <= i < m.n_layer for i in r.layers):
+            raise ConfigError(f"mod.layers: expected distinct layer indices in [0, {m.n_layer}) (model.n_layer), "
+                              f"got {list(r.layers)}")
+        if r.granularity == "block" and cfg.data.seq_len % r.block_size:
+            raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be a multiple of mod.block_size ({r.block_size})")
     if cfg.data.source == "shards" and not cfg.data.tokenizer:
         raise ConfigError("data.tokenizer: data.source=shards needs the sentencepiece .model of the shards")
 
@@ -335,7 +358,9 @@ class Muon(torch.optim.Optimizer):
 def param_groups(model: GPT, o: OptimConfig):
     """Split parameters: (Muon matrices, AdamW groups). Every parameter lands in exactly one."""
     matrices = [p for block in model.blocks for p in block.parameters() if p.ndim == 2]
-    vectors = [p for block in model.blocks for p in block.parameters() if p.ndim != 2]
+    # Routers and predictors are Linear(C, 1): a row, not a matrix to orthogonalise.
+    vectors = ([p for block in model.blocks for p in block.parameters() if p.ndim != 2]
+               + list(model.routers.parameters()) + list(model.gates.parameters()))
     adam = [dict(params=[model.wte.weight], lr=o.embed_lr, weight_decay=o.weight_decay),
             dict(params=vectors, lr=o.scalar_lr, weight_decay=0.0)]
     if model.lm_head is not None:
@@ -491,6 +516,11 @@ class Backend:
         dist.all_reduce(state, op=dist.ReduceOp.MAX, group=self.control)
         return state[0].item(), bool(state[1].item())
 
+    def compile_seconds(self) -> float:
+        """Seconds this process has spent compiling graphs (XLA); 0 elsewhere."""
+        stats = self.compile_stats()
+        return stats[1] if stats else 0.0
+
     def compile_stats(self):
         """XLA: (graphs compiled, compile seconds) so far in this process; None elsewhere."""
         if not self.xla:
@@ -586,7 +616,7 @@ def load_for_eval(checkpoint_path, device) -> torch.nn.Module:
     """The scorer contract: an eval-mode, single-device model whose forward(idx: LongTensor[B, T])
     returns logits [B, T, V] that depend only on the input tokens (causally)."""
     ckpt = load_checkpoint(checkpoint_path)
-    model = GPT(build(ModelConfig, ckpt["config"]["model"], "model."))
+    model = GPT(build(ModelConfig, ckpt["config"]["model"], "model."), build(ModConfig, ckpt["config"]["mod"], "mod."))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval()
 
@@ -603,20 +633,19 @@ def git_state():
     return git("rev-parse", "--short=12", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!ledger.csv"))
 
 
-PRECOMPILE_STEPS = 3  # step 1 also creates the optimizer state (a graph of its own); then the steady step
-
-
 class Trainer:
     """Holds everything of one run; `train()` is the loop, `step()` one optimizer step."""
 
     def __init__(self, cfg: Config, config_path="", overrides=()):
         self.cfg, self.config_path, self.overrides = cfg, str(config_path), list(overrides)
         self.resumed = load_checkpoint(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
-        if self.resumed and self.resumed["config"]["model"] != dataclasses.asdict(cfg.model):
-            old, new = self.resumed["config"]["model"], dataclasses.asdict(cfg.model)
-            diff = ", ".join(f"model.{k}: {old.get(k)!r} -> {new.get(k)!r}"
-                             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
-            raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume}: model differs from the checkpoint's ({diff})")
+        if self.resumed:
+            old = flatten({k: self.resumed["config"][k] for k in ("model", "mod")})
+            new = flatten({k: dataclasses.asdict(cfg)[k] for k in ("model", "mod")})
+            diff = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+                             if old.get(k) != new.get(k) and k != "mod.capacity")  # capacity may change
+            if diff:
+                raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume}: model differs from the checkpoint's ({diff})")
         self.backend = Backend(cfg.device)
         self.device, self.is_main, world = self.backend.device, self.backend.rank == 0, self.backend.world_size
         rank_tokens = cfg.optim.micro_batch * cfg.data.seq_len * world
@@ -642,7 +671,7 @@ class Trainer:
         self.loader = data.TrainLoader(train_files, cfg.optim.micro_batch, cfg.data.seq_len, cfg.model.vocab_size,
                                        rank=self.backend.rank, world_size=world, prefetch=cfg.data.prefetch)
 
-        self.model = GPT(cfg.model).to(self.device)
+        self.model = GPT(cfg.model, cfg.mod).to(self.device)
         self.masters = {}  # bf16 weights: parameter -> its fp32 master copy, which the optimizers update
         if self.backend.bf16_weights:
             self.model.to(torch.bfloat16)
@@ -713,10 +742,11 @@ class Trainer:
             for group in opt.param_groups:
                 group["lr"] = group["peak_lr"] * scale
         loss_sum = torch.zeros((), device=self.device)
-        for x, y in self.inputs:
+        for micro, (x, y) in enumerate(self.inputs):
             with self.backend.autocast():
-                loss = self.model.loss(x, y)
-            (loss / self.accum_steps).backward()
+                # Layer routing picks layers by the micro-batch's index in the whole run.
+                loss = self.model.loss(x, y, micro_step=(self.step_count * self.accum_steps + micro))
+            ((loss + self.model.aux_loss) / self.accum_steps).backward()
             loss_sum += loss.detach()
         loss = loss_sum / self.accum_steps
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -742,6 +772,7 @@ class Trainer:
         ranks. Every batch has the same shape (a short last one is padded and weighed 0), so
         XLA compiles one eval graph."""
         self.model.eval()
+        self.model.reset_routing_stats()
         batch, seq_len = self.cfg.eval.batch_size, self.cfg.data.seq_len
         # Made on the host, so every batch's graph sees them as data: one eval graph, not two.
         # (torch-xla turns a 0-dim host tensor into a graph constant; a 1-element one stays data.)
@@ -763,6 +794,12 @@ class Trainer:
                 break
         self.backend.all_reduce_([nll], mean=False)
         self.backend.all_reduce_([counts], mean=False)
+        self.routing_agreement = None
+        if self.model.routers:  # reading the counters is one more small graph on XLA
+            agreement = torch.stack(self.model.routing_agreement())
+            self.backend.all_reduce_([agreement], mean=False)
+            agree, tiles = agreement.tolist()
+            self.routing_agreement = agree / tiles
         self.model.train()
         (nll,), (n_bytes, n_tokens) = nll.tolist(), counts.tolist()
         return nll / n_tokens, nll / (math.log(2) * n_bytes), n_tokens, n_bytes
@@ -796,7 +833,7 @@ class Trainer:
         for key, value in flatten(dataclasses.asdict(cfg)).items():
             self.log(f"config {key}:{value}")
         params = param_count(self.model)
-        fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+        fpt = flops_per_token(cfg.model, cfg.data.seq_len, cfg.mod)
         peak = backend.peak_flops()
         self.log(f"device:{self.device} dtype:{str(backend.dtype).removeprefix('torch.')} "
                  f"bf16_weights:{backend.bf16_weights} world_size:{backend.world_size} params:{params} "
@@ -805,7 +842,10 @@ class Trainer:
 
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         status, error, start_step = "ok", "", self.step_count
-        max_steps = start_step + PRECOMPILE_STEPS if self.precompile else cfg.budget.max_steps
+        # Precompile: step 1 also creates the optimizer state (a graph of its own), then the steady
+        # step, which under layer routing has a graph per phase of its rotation (period P).
+        period = Fraction(cfg.mod.capacity).limit_denominator(1000).denominator if cfg.mod.granularity == "layer" else 1
+        max_steps = start_step + 1 + period if self.precompile else cfg.budget.max_steps
         last_checkpoint = self.train_s
         loss_total = torch.zeros((), dtype=backend.sum_dtype, device=self.device)
         self.logged = (0.0, start_step)  # (loss_total, step) at the last log line
@@ -818,19 +858,23 @@ class Trainer:
                     break
                 if self.train_s >= budget or (max_steps and self.step_count >= max_steps):
                     break
-                t0 = time.perf_counter()
+                t0, compiled_s = time.perf_counter(), backend.compile_seconds()
                 loss_total += self.step(self.train_s / budget)
                 if self.step_count % cfg.run.log_every == 0 and not self.precompile:
                     backend.on_values(self.report, loss_total)
                 backend.mark_step()
                 self.inputs = self.fetch()
-                if self.step_count == start_step + 1:  # compilation (XLA, CUDA kernels), allocator warm-up
+                # Compile time is kept apart: all of the first step (compilation, CUDA kernel and
+                # allocator warm-up), and on XLA whatever any later step spent compiling a new graph.
+                warmup = self.step_count == start_step + 1
+                if warmup:
                     backend.wait()
-                    self.compile_s += time.perf_counter() - t0
-                    self.train_s += self.compile_s if cfg.budget.count_compile else 0.0
-                else:
-                    self.step_ms.append((time.perf_counter() - t0) * 1000)
-                    self.train_s += self.step_ms[-1] / 1000
+                elapsed = time.perf_counter() - t0
+                compiling = elapsed if warmup else backend.compile_seconds() - compiled_s
+                self.compile_s += compiling
+                self.train_s += elapsed if cfg.budget.count_compile else elapsed - compiling
+                if not compiling:
+                    self.step_ms.append(elapsed * 1000)
                 if self.diverged:
                     status = "diverged"
                     break
@@ -878,6 +922,9 @@ class Trainer:
         notes = [cfg.ledger.notes] if cfg.ledger.notes else []
         if self.resumed:
             notes.append(f"resumed from {self.resumed['run_id']} at step {self.resumed['step']}")
+        if status == "ok" and self.routing_agreement is not None:
+            notes.append(f"routing_agreement={self.routing_agreement:.4f} (eval tiles where the causal predictor "
+                         f"matched the training top-k)")
         notes.append(f"peak_flops={peak[0]:.4g} {peak[1]}")
         if compiles:
             notes.append(f"xla_transfers={backend.transfers()} warmup_s={self.compile_s:.2f}")
@@ -888,7 +935,7 @@ class Trainer:
             git_dirty=git_dirty, config=self.config_path, config_sha=hashlib.sha256(json.dumps(
                 dataclasses.asdict(cfg), sort_keys=True).encode()).hexdigest()[:12],
             overrides=" ".join(self.overrides), device=str(self.device), world_size=backend.world_size,
-            seed=cfg.run.seed, data_sha=self.data_sha, params=params, active_params=params,
+            seed=cfg.run.seed, data_sha=self.data_sha, params=params, active_params=active_params(self.model),
             budget_s=cfg.budget.seconds, train_s=self.train_s, compile_s=compiles[1] if compiles else self.compile_s,
             data_wait_s=self.loader.wait_s, eval_s=eval_s, steps=self.step_count,
             tokens=self.step_count * cfg.optim.batch_tokens, tokens_per_s=tokens_per_s,

@@ -208,7 +208,7 @@ def test_a_crash_is_recorded_as_failed(tmp_path, builtin_1024, monkeypatch):
 
 
 def test_a_non_finite_loss_stops_the_run_as_diverged(tmp_path, builtin_1024, monkeypatch):
-    monkeypatch.setattr(train.GPT, "loss", lambda self, x, y, reduction="mean": (self(x) * float("nan")).mean())
+    monkeypatch.setattr(train.GPT, "loss", lambda self, x, y, reduction="mean", micro_step=0: (self(x) * float("nan")).mean())
     assert train.main(["--config", str(SMOKE), *smoke_overrides(tmp_path)]) == 1
     (row,) = ledger.read(tmp_path / "ledger.csv")
     assert row["status"] == "diverged" and row["steps"] == "2" and row["val_bpb"] == ""  # first log step
