@@ -65,27 +65,34 @@ class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         hidden = cfg.mlp_mult * cfg.n_embd
+        self.hidden = hidden  # active hidden units: a static slice, set by GPT.set_active
         self.swiglu = cfg.mlp == "swiglu"
         self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * hidden, bias=False)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=False)
         self.c_proj.zero_init = True
 
     def forward(self, x):
-        h = self.c_fc(x)
+        n, full, w_in = self.hidden, self.c_proj.in_features, self.c_fc.weight  # w_in: (H or 2H, C)
+        w_out = self.c_proj.weight[:, :n]  # (C, n)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            return self.c_proj(F.silu(gate) * up)
-        return self.c_proj(F.relu(h).square())
+            w_in = w_in if n == full else torch.cat((w_in[:n], w_in[full:full + n]))
+            gate, up = F.linear(x, w_in).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, w_out)
+        return F.linear(F.relu(F.linear(x, w_in[:n])).square(), w_out)
 
 
 class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.attn, self.mlp = Attention(cfg), MLP(cfg)
+        # Residual-branch scales (the annealing schedule moves them); buffers, so a new value is
+        # graph data on XLA, not a new graph. Not saved: the schedule sets them from progress.
+        self.register_buffer("attn_scale", torch.ones(()), persistent=False)
+        self.register_buffer("mlp_scale", torch.ones(()), persistent=False)
 
     def forward(self, x, pos=None, mask=None):
-        x = x + self.attn(rms_norm(x), pos, mask)
-        return x + self.mlp(rms_norm(x))
+        x = x + self.attn_scale * self.attn(rms_norm(x), pos, mask)
+        return x + self.mlp_scale * self.mlp(rms_norm(x))
 
 
 def units_selected(capacity: float, n: int) -> int:
@@ -196,6 +203,7 @@ class GPT(nn.Module):
         layer_routed = self.routed if self.granularity == "layer" else ()
         self.gates = nn.ParameterDict({str(i): nn.Parameter(torch.ones(())) for i in layer_routed})
         self.set_capacity(1.0 if mod is None else mod.capacity)
+        self.active = tuple(range(cfg.n_layer))  # the blocks that run, in order (GPT.set_active)
         self.aux_loss = torch.zeros(())  # set by every forward: aux_weight * sum of the routers' BCE
         self.reset_parameters()
 
@@ -218,6 +226,22 @@ class GPT(nn.Module):
         assert 0 < capacity <= 1, capacity
         self.capacity = capacity
 
+    def set_active(self, layers, mlp_hidden: int):
+        """Run only `layers` (block indices), each MLP with its first mlp_hidden units: static
+        slices, so inactive capacity costs no compute. Inactive weights get no gradient and keep
+        their initial values, whose zero output projections make a block or hidden unit enter as
+        the identity (adds nothing): growth preserves the function."""
+        assert all(0 <= i < self.cfg.n_layer for i in layers) and 0 < mlp_hidden <= self.cfg.mlp_mult * self.cfg.n_embd
+        self.active = tuple(sorted(layers))
+        for block in self.blocks:
+            block.mlp.hidden = mlp_hidden
+
+    def set_residual_scales(self, attn: float, mlp: float):
+        with torch.no_grad():
+            for block in self.blocks:
+                block.attn_scale.fill_(attn)
+                block.mlp_scale.fill_(mlp)
+
     def layer_runs(self, position: int, micro_step: int) -> bool:
         """granularity=layer, training: does the routed layer at `position` run on this micro-batch?"""
         s = micro_step + position
@@ -228,7 +252,8 @@ class GPT(nn.Module):
         idx[:, :t+1]. micro_step: index of the micro-batch in the optimizer step (layer routing)."""
         x = rms_norm(self.wte(idx))  # (B, T, C)
         aux = torch.zeros((), device=x.device)
-        for i, block in enumerate(self.blocks):
+        for i in self.active:
+            block = self.blocks[i]
             if i not in self.routed:
                 x = block(x)
             elif self.granularity == "block":
@@ -285,14 +310,19 @@ def routed_share(mod, seq_len: int) -> float:
 
 
 def active_params(model: GPT) -> int:
-    """Parameters used per token: a routed layer's block counts with the capacity share of the
-    tokens (the realised block share also depends on T); embeddings, head, routers, predictors
-    and gates count fully."""
-    routed = sum(p.numel() for i in model.routed for p in model.blocks[i].parameters())
-    return round(param_count(model) - (1 - model.capacity) * routed)
+    """Parameters used per token: the active blocks with their active MLP units (GPT.set_active),
+    a routed one with the capacity share of the tokens (the realised block share also depends on
+    T); embeddings, head, routers, predictors and gates count fully."""
+    def used(i):
+        mlp = model.blocks[i].mlp
+        unused = (mlp.c_proj.in_features - mlp.hidden) * mlp.c_proj.out_features * (3 if mlp.swiglu else 2)
+        return sum(p.numel() for p in model.blocks[i].parameters()) - unused
+    blocks = sum(p.numel() for b in model.blocks for p in b.parameters())
+    active = sum(used(i) * (model.capacity if i in model.routed else 1) for i in model.active)
+    return round(param_count(model) - blocks + active)
 
 
-def flops_per_token(cfg, seq_len: int, mod=None) -> float:
+def flops_per_token(cfg, seq_len: int, mod=None, layers=None, mlp_hidden=None) -> float:
     """Training FLOPs per token (forward + backward = 3 x forward, a multiply-add = 2 FLOPs).
     Counts every matmul: q, kv, attention output and MLP projections, the output head, and
     causal attention itself (QK^T and AV: 2 x 2 x C per key, T/2 keys on average). Embedding
@@ -300,17 +330,19 @@ def flops_per_token(cfg, seq_len: int, mod=None) -> float:
     With routing (mod), a routed layer's matmuls count with its token share s (routed_share);
     its attention with s^2 for block routing (s*T queries over s*T keys) and s otherwise; block
     routing adds each layer's router and predictor, Linear(C, 1) each, once per tile. Gates,
-    gathers and the evaluation mask are not counted."""
-    C, L = cfg.n_embd, cfg.n_layer
+    gathers and the evaluation mask are not counted.
+    layers, mlp_hidden: the active blocks and MLP width of an annealing stage (default: all)."""
+    layers = range(cfg.n_layer) if layers is None else layers
+    C, L = cfg.n_embd, len(layers)
     kv_dim = cfg.n_kv_head * (C // cfg.n_head)
-    hidden = cfg.mlp_mult * C
+    hidden = mlp_hidden or cfg.mlp_mult * C
     mlp_in = (2 if cfg.mlp == "swiglu" else 1) * hidden
     layer_params = C * C + C * 2 * kv_dim + C * C + C * mlp_in + hidden * C
     layer_attention = 2 * 2 * C * seq_len / 2
     matmul_params = L * layer_params + C * cfg.vocab_size
     attention = L * layer_attention
     if mod is not None and mod.granularity != "none":
-        routed, share = len(mod.layers), routed_share(mod, seq_len)
+        routed, share = len(set(mod.layers) & set(layers)), routed_share(mod, seq_len)
         attention_share = share ** 2 if mod.granularity == "block" else share
         matmul_params -= routed * (1 - share) * layer_params
         attention -= routed * (1 - attention_share) * layer_attention

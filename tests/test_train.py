@@ -32,10 +32,17 @@ SMOKE = ROOT / "configs" / "smoke.yaml"
     ("model", "override 'model': expected key.sub=value"),
     ("eval.tokens=10", "eval.tokens (10) must be 0 (all) or at least data.seq_len (64)"),
     ("model.n_layer.x=1", "model.n_layer: expected int, got {'x': 1}"),
+    ("mod.granularity=tiles", "mod.granularity: expected one of none | block | layer | microbatch, got 'tiles'"),
+    ("mod.capacity=0", "mod.capacity: expected in (0, 1], got 0.0"),
+    ("mod.layers=[1,x]", "mod.layers: expected a list of integers, got [1, 'x']"),
+    ("mod.granularity=block mod.layers=[]", "mod.layers: expected distinct layer indices in [0, 2) (model.n_layer), got []"),
+    ("mod.granularity=layer mod.layers=[1,2]", "mod.layers: expected distinct layer indices in [0, 2)"),
+    ("mod.granularity=block mod.layers=[1] mod.block_size=48",
+     "data.seq_len (64) must be a multiple of mod.block_size (48)"),
 ])
 def test_config_errors_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
-        load_config(SMOKE, [override])
+        load_config(SMOKE, override.split())
     assert message in str(e.value)
 
 
@@ -84,10 +91,11 @@ def test_every_config_loads():
 
 # -- optimizers and schedule -------------------------------------------------------------------
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_param_groups_cover_every_parameter_once(tie):
-    cfg = load_config(SMOKE, [f"model.tie_embeddings={str(tie).lower()}"])
-    model = train.GPT(cfg.model)
+@pytest.mark.parametrize("tie, granularity", [(True, "none"), (False, "none"), (True, "block"), (True, "layer")])
+def test_param_groups_cover_every_parameter_once(tie, granularity):
+    cfg = load_config(SMOKE, [f"model.tie_embeddings={str(tie).lower()}", f"mod.granularity={granularity}",
+                              "mod.layers=[1]", "mod.block_size=16"])
+    model = train.GPT(cfg.model, cfg.mod)
     matrices, adam = train.param_groups(model, cfg.optim)
     grouped = [id(p) for p in matrices] + [id(p) for g in adam for p in g["params"]]
     assert sorted(grouped) == sorted(id(p) for p in model.parameters())
