@@ -121,8 +121,8 @@ class TileRouter(nn.Module):
         # Biases give the predictor a threshold, and tile 0 (zero context) a learnable decision.
         self.router = nn.Linear(n_embd, 1)
         self.predictor = nn.Linear(n_embd, 1)
-        self.register_buffer("agree", torch.zeros((), dtype=torch.long), persistent=False)
-        self.register_buffer("total", torch.zeros((), dtype=torch.long), persistent=False)
+        self.register_buffer("agree", torch.zeros(1, dtype=torch.long), persistent=False)
+        self.register_buffer("total", torch.zeros(1, dtype=torch.long), persistent=False)
 
     def forward(self, block, x, k):
         """x: (B, T, C); k tiles per sequence go through `block` -> (x (B, T, C), predictor BCE)."""
@@ -283,15 +283,17 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction=reduction)
 
     def reset_routing_stats(self):
+        # New host-made zeros, not zero_(): on XLA they enter the next graph as data, so the first
+        # evaluation batch is the same graph as the others.
         for router in self.routers.values():
-            router.agree.zero_()
-            router.total.zero_()
+            router.agree = torch.zeros(1, dtype=torch.long).to(router.agree.device)
+            router.total = torch.zeros(1, dtype=torch.long).to(router.total.device)
 
     def routing_agreement(self):
-        """-> (agree, total) int64 device tensors: evaluation tiles whose predictor decision
+        """-> (agree, total) int64 device tensors of shape (1,): evaluation tiles whose predictor decision
         matched the top-k of the router scores, and all evaluated tiles, summed over routed layers
         since reset_routing_stats(). (0, 0) without block routing."""
-        zero = torch.zeros((), dtype=torch.long, device=self.wte.weight.device)
+        zero = torch.zeros(1, dtype=torch.long, device=self.wte.weight.device)
         agree = sum((r.agree for r in self.routers.values()), zero)
         return agree, sum((r.total for r in self.routers.values()), zero)
 

@@ -109,6 +109,28 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class ScheduleConfig:
+    stages: tuple
+    grow_depth: str
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One entry of schedule.stages, resolved: what a stage leaves out carries over from the one
+    before it, and the first stage's from the full model."""
+    at: float
+    depth: int
+    mlp_hidden: int
+    seq_len: int
+    attn_scale: float
+    mlp_scale: float
+    capacity: float
+
+
+MLP_GRANULE = 128  # stage MLP widths are multiples of this (the Trainium partition count), or the full width
+
+
+@dataclass(frozen=True)
 class BudgetConfig:
     seconds: float
     count_compile: bool
@@ -148,6 +170,7 @@ class Config:
     data: DataConfig
     model: ModelConfig
     mod: ModConfig
+    schedule: ScheduleConfig
     optim: OptimConfig
     budget: BudgetConfig
     eval: EvalConfig
@@ -176,7 +199,9 @@ CHECKS = {
     "model.n_layer": positive, "model.n_embd": positive, "model.n_head": positive, "model.n_kv_head": positive,
     "model.mlp_mult": positive, "model.mlp": one_of("relu2", "swiglu"), "model.logit_softcap": non_negative,
     "model.rope_base": positive, "mod.granularity": one_of("none", "block", "layer", "microbatch"),
-    "mod.block_size": positive, "mod.capacity": (lambda v: 0 < v <= 1, "in (0, 1]"), "mod.aux_weight": non_negative, "model.embed_init_std": positive, "optim.batch_tokens": positive,
+    "mod.block_size": positive, "mod.capacity": (lambda v: 0 < v <= 1, "in (0, 1]"), "mod.aux_weight": non_negative,
+    "mod.layers": (lambda v: all(isinstance(i, int) and not isinstance(i, bool) for i in v), "a list of integers"),
+    "schedule.grow_depth": one_of("append", "interleave"), "model.embed_init_std": positive, "optim.batch_tokens": positive,
     "optim.micro_batch": positive, "optim.muon_lr": non_negative, "optim.muon_momentum": fraction,
     "optim.muon_ns_steps": positive, "optim.embed_lr": non_negative, "optim.head_lr": non_negative,
     "optim.scalar_lr": non_negative, "optim.beta1": fraction, "optim.beta2": fraction,
@@ -245,8 +270,6 @@ def coerce(value, typ, key):
     if typ is int and isinstance(value, float) and value.is_integer():
         return int(value)
     if typ is tuple and isinstance(value, list):
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            raise ConfigError(f"{key}: expected a list of integers, got {value!r}")
         return tuple(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
@@ -299,6 +322,57 @@ def validate(cfg: Config):
             raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be a multiple of mod.block_size ({r.block_size})")
     if cfg.data.source == "shards" and not cfg.data.tokenizer:
         raise ConfigError("data.tokenizer: data.source=shards needs the sentencepiece .model of the shards")
+    resolve_stages(cfg)
+
+
+def resolve_stages(cfg: Config) -> tuple:
+    """schedule.stages -> Stage tuple, each checked against the model; no stages = one static stage."""
+    m, full_hidden = cfg.model, cfg.model.mlp_mult * cfg.model.n_embd
+    previous = Stage(0.0, m.n_layer, full_hidden, cfg.data.seq_len, 1.0, 1.0, cfg.mod.capacity)
+    if not cfg.schedule.stages:
+        return (previous,)
+    fields, stages = get_type_hints(Stage), []
+    for n, entry in enumerate(cfg.schedule.stages):
+        key = f"schedule.stages[{n}]"
+        if not isinstance(entry, dict) or "at" not in entry:
+            raise ConfigError(f"{key}: expected a mapping with `at` (a fraction of the budget), got {entry!r}")
+        for name in entry:
+            if name not in fields:
+                close = difflib.get_close_matches(name, fields, n=1)
+                raise ConfigError(f"unknown key {key}.{name}; " + (f"did you mean {close[0]}?" if close else
+                                                                   f"expected one of {', '.join(fields)}"))
+        stage = dataclasses.replace(previous, **{k: coerce(v, fields[k], f"{key}.{k}") for k, v in entry.items()})
+        rows = cfg.optim.micro_batch * cfg.data.seq_len / stage.seq_len
+        least = previous if n else Stage(0.0, 1, 1, 1, 0.0, 0.0, 0.0)  # growth only: from the stage before
+        problems = [
+            (n == 0 and stage.at != 0, "at: the first stage must be at 0"),
+            (n > 0 and not previous.at < stage.at < 1, f"at: expected increasing values in (0, 1), after {previous.at}"),
+            (not least.depth <= stage.depth <= m.n_layer,
+             f"depth: expected {least.depth}..{m.n_layer} (growing, at most model.n_layer)"),
+            (not least.mlp_hidden <= stage.mlp_hidden <= full_hidden
+             or (stage.mlp_hidden % MLP_GRANULE and stage.mlp_hidden != full_hidden),
+             f"mlp_hidden: expected a multiple of {MLP_GRANULE} or {full_hidden} (model.mlp_mult * model.n_embd), "
+             f"growing from {least.mlp_hidden}"),
+            (stage.seq_len <= 0 or rows != int(rows),
+             f"seq_len: must divide optim.micro_batch * data.seq_len ({cfg.optim.micro_batch * cfg.data.seq_len}): "
+             f"tokens per micro-batch stay fixed"),
+            (cfg.mod.granularity == "block" and stage.seq_len % cfg.mod.block_size,
+             f"seq_len: expected a multiple of mod.block_size ({cfg.mod.block_size})"),
+            (min(stage.attn_scale, stage.mlp_scale) < 0, "attn_scale, mlp_scale: expected >= 0"),
+            (not 0 < stage.capacity <= 1, "capacity: expected in (0, 1]"),
+            ("capacity" in entry and cfg.mod.granularity == "none", "capacity: needs mod.granularity other than none"),
+        ]
+        for failed, message in problems:
+            if failed:
+                raise ConfigError(f"{key}.{message}, got {entry}")
+        stages.append(previous := stage)
+    return tuple(stages)
+
+
+def depth_order(n_layer: int, policy: str) -> list:
+    """The order in which blocks become active as depth grows: append (at the end) or interleave
+    (even blocks first, then the odd ones between them)."""
+    return list(range(n_layer)) if policy == "append" else list(range(0, n_layer, 2)) + list(range(1, n_layer, 2))
 
 
 def load_config(path, overrides=()) -> Config:
@@ -662,14 +736,14 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)  # the same on every rank: identical initial weights
         np.random.seed(cfg.run.seed)
         random.seed(cfg.run.seed)
-        train_files, self.val_files, tokenizer, self.data_sha = open_data(cfg)
+        self.train_files, self.val_files, tokenizer, self.data_sha = open_data(cfg)
         self.bytes = data.ByteTable(tokenizer)
         if self.bytes.vocab_size != cfg.model.vocab_size:
             raise data.DataError(f"tokenizer {tokenizer} has {self.bytes.vocab_size} tokens but "
                                  f"model.vocab_size is {cfg.model.vocab_size}")
         self.bytes = self.bytes.to(self.device)
-        self.loader = data.TrainLoader(train_files, cfg.optim.micro_batch, cfg.data.seq_len, cfg.model.vocab_size,
-                                       rank=self.backend.rank, world_size=world, prefetch=cfg.data.prefetch)
+        self.stages = resolve_stages(cfg)
+        self.loader, self.loader_state, self.data_wait_s = None, None, 0.0
 
         self.model = GPT(cfg.model, cfg.mod).to(self.device)
         self.masters = {}  # bf16 weights: parameter -> its fp32 master copy, which the optimizers update
@@ -678,10 +752,52 @@ class Trainer:
             self.masters = {p: p.detach().float() for p in self.model.parameters()}
         self.optimizers = make_optimizers(self.model, cfg.optim, self.masters)
         self.step_count, self.train_s, self.compile_s = 0, 0.0, 0.0
+        self.timeline = []  # [stage, train_s at its start, steps in it]
+        self.flops = 0.0  # training FLOPs so far, by each stage's FLOPs per token
         if self.resumed:
             self.restore(self.resumed)
-        self.inputs = self.fetch()
+        self.enter_stage(self.stage_at(self.train_s / cfg.budget.seconds))
         self.stop_signal, self.diverged, self.step_ms = None, False, []
+
+    # -- annealing stages ----------------------------------------------------------------------
+    def stage_at(self, progress: float) -> int:
+        """The stage for this progress; never one before the latest entered (a resumed run with a
+        longer budget keeps its grown model)."""
+        reached = self.timeline[-1][0] if self.timeline else 0
+        return max(reached, max(i for i, stage in enumerate(self.stages) if stage.at <= progress))
+
+    def enter_stage(self, index: int):
+        """Set the model's active layers, MLP width and capacity, and the loader's sequence
+        length (same tokens per micro-batch) to stage `index`; a new stage is a new static graph.
+        Nothing else changes: weights, optimizer state and the LR schedule carry on."""
+        stage, cfg = self.stages[index], self.cfg
+        self.model.set_active(depth_order(cfg.model.n_layer, cfg.schedule.grow_depth)[:stage.depth], stage.mlp_hidden)
+        self.model.set_capacity(stage.capacity)
+        rows = cfg.optim.micro_batch * cfg.data.seq_len // stage.seq_len
+        if self.loader is None or (self.loader.batch_size, self.loader.seq_len) != (rows, stage.seq_len):
+            if self.loader is not None:
+                self.loader.close()
+                self.data_wait_s += self.loader.wait_s
+            self.loader = data.TrainLoader(self.train_files, rows, stage.seq_len, cfg.model.vocab_size,
+                                           rank=self.backend.rank, world_size=self.backend.world_size,
+                                           prefetch=cfg.data.prefetch)
+        if self.loader_state is not None:
+            self.loader.load_state_dict(self.loader_state)  # before the batches fetched for the old shape
+        self.inputs = self.fetch()
+        self.stage_flops_per_token = flops_per_token(cfg.model, stage.seq_len, cfg.mod, self.model.active,
+                                                     stage.mlp_hidden)
+        if not self.timeline or self.timeline[-1][0] != index:
+            self.timeline.append([index, self.train_s, 0])
+        self.stage = index
+
+    def residual_scales(self, progress: float):
+        """(attn, mlp) branch scales: each stage's values at its `at`, linear in between, so they
+        never jump (a jump would change the function the model computes)."""
+        i = self.stage_at(progress)
+        now, after = self.stages[i], self.stages[min(i + 1, len(self.stages) - 1)]
+        t = (progress - now.at) / (after.at - now.at) if after.at > now.at else 0.0
+        return tuple(a + (b - a) * min(t, 1.0) for a, b in ((now.attn_scale, after.attn_scale),
+                                                               (now.mlp_scale, after.mlp_scale)))
 
     # -- state ---------------------------------------------------------------------------------
     def fetch(self):
@@ -702,6 +818,7 @@ class Trainer:
         state = dict(model=self.model_state(), optimizers=[o.state_dict() for o in self.optimizers],
                      loader=self.loader_state, step=self.step_count, train_s=self.train_s,
                      compile_s=self.compile_s, run_id=self.run_id, config=dataclasses.asdict(self.cfg),
+                     timeline=self.timeline, flops=self.flops,
                      rng=dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
                               cuda=torch.cuda.get_rng_state_all() if self.backend.kind == "cuda" else None))
         return tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, state)
@@ -714,8 +831,9 @@ class Trainer:
                     self.masters[p].copy_(ckpt["model"][name])
         for opt, state in zip(self.optimizers, ckpt["optimizers"]):
             opt.load_state_dict(state)
-        self.loader.load_state_dict(ckpt["loader"])
+        self.loader_state = ckpt["loader"]
         self.step_count, self.train_s, self.compile_s = ckpt["step"], ckpt["train_s"], ckpt["compile_s"]
+        self.timeline, self.flops = ckpt["timeline"], ckpt["flops"]
         torch.set_rng_state(ckpt["rng"]["torch"])
         np.random.set_state(ckpt["rng"]["numpy"])
         random.setstate(ckpt["rng"]["python"])
@@ -796,7 +914,7 @@ class Trainer:
         self.backend.all_reduce_([counts], mean=False)
         self.routing_agreement = None
         if self.model.routers:  # reading the counters is one more small graph on XLA
-            agreement = torch.stack(self.model.routing_agreement())
+            agreement = torch.cat(self.model.routing_agreement())
             self.backend.all_reduce_([agreement], mean=False)
             agree, tiles = agreement.tolist()
             self.routing_agreement = agree / tiles
@@ -833,23 +951,27 @@ class Trainer:
         for key, value in flatten(dataclasses.asdict(cfg)).items():
             self.log(f"config {key}:{value}")
         params = param_count(self.model)
-        fpt = flops_per_token(cfg.model, cfg.data.seq_len, cfg.mod)
         peak = backend.peak_flops()
         self.log(f"device:{self.device} dtype:{str(backend.dtype).removeprefix('torch.')} "
                  f"bf16_weights:{backend.bf16_weights} world_size:{backend.world_size} params:{params} "
-                 f"flops_per_token:{fpt:.4g} peak_flops:{peak[0]:.4g} ({peak[1]}) accum_steps:{self.accum_steps} "
+                 f"peak_flops:{peak[0]:.4g} ({peak[1]}) accum_steps:{self.accum_steps} "
                  f"data:{self.data_sha} resumed_from:{self.resumed['run_id'] if self.resumed else '-'}")
 
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         status, error, start_step = "ok", "", self.step_count
-        # Precompile: step 1 also creates the optimizer state (a graph of its own), then the steady
-        # step, which under layer routing has a graph per phase of its rotation (period P).
-        period = Fraction(cfg.mod.capacity).limit_denominator(1000).denominator if cfg.mod.granularity == "layer" else 1
-        max_steps = start_step + 1 + period if self.precompile else cfg.budget.max_steps
+        # Precompile runs each stage's graphs: its first step (which may create optimizer state,
+        # a graph of its own), then the steady step, which under layer routing has a graph per
+        # phase of its rotation (period P micro-batches).
+        def period(capacity):
+            return Fraction(capacity).limit_denominator(1000).denominator if cfg.mod.granularity == "layer" else 1
+        plan = [i for i, stage in enumerate(self.stages) for _ in range(1 + period(stage.capacity))]
+        max_steps = start_step + len(plan) if self.precompile else cfg.budget.max_steps
+        scaled = any((stage.attn_scale, stage.mlp_scale) != (1.0, 1.0) for stage in self.stages)
         last_checkpoint = self.train_s
         loss_total = torch.zeros((), dtype=backend.sum_dtype, device=self.device)
         self.logged = (0.0, start_step)  # (loss_total, step) at the last log line
         budget = cfg.budget.seconds
+        self.log_stage()
         try:
             while True:
                 self.train_s, stop = backend.agree(self.train_s, self.stop_signal is not None)
@@ -858,8 +980,17 @@ class Trainer:
                     break
                 if self.train_s >= budget or (max_steps and self.step_count >= max_steps):
                     break
+                progress = self.train_s / budget
+                index = plan[self.step_count - start_step] if self.precompile else self.stage_at(progress)
+                if index != self.stage:
+                    self.enter_stage(index)
+                    self.log_stage()
+                if scaled:
+                    self.model.set_residual_scales(*self.residual_scales(progress))
                 t0, compiled_s = time.perf_counter(), backend.compile_seconds()
-                loss_total += self.step(self.train_s / budget)
+                loss_total += self.step(progress)
+                self.timeline[-1][2] += 1
+                self.flops += self.stage_flops_per_token * cfg.optim.batch_tokens
                 if self.step_count % cfg.run.log_every == 0 and not self.precompile:
                     backend.on_values(self.report, loss_total)
                 backend.mark_step()
@@ -892,10 +1023,16 @@ class Trainer:
             for s, h in handlers.items():
                 signal.signal(s, h)
             backend.wait()
-            summary = self.finish(status, error, params, fpt, peak, git_commit, git_dirty)
+            summary = self.finish(status, error, params, peak, git_commit, git_dirty)
         return summary
 
-    def finish(self, status, error, params, fpt, peak, git_commit, git_dirty) -> dict:
+    def log_stage(self):
+        stage = self.stages[self.stage]
+        self.log(f"stage:{self.stage} step:{self.step_count} train_s:{self.train_s:.1f} "
+                 + " ".join(f"{k}:{v}" for k, v in dataclasses.asdict(stage).items())
+                 + f" active_params:{active_params(self.model)} flops_per_token:{self.stage_flops_per_token:.4g}")
+
+    def finish(self, status, error, params, peak, git_commit, git_dirty) -> dict:
         """Checkpoint (unless the run failed), evaluate (only if it is ok), ledger row. A
         precompile run instead runs one eval batch and reports what it compiled."""
         cfg, backend = self.cfg, self.backend
@@ -919,6 +1056,8 @@ class Trainer:
             val_loss, val_bpb, val_tokens, val_bytes = self.evaluate()
             eval_s = time.perf_counter() - start
             compiles = backend.compile_stats()
+        tokens = self.step_count * cfg.optim.batch_tokens
+        fpt = self.flops / tokens if tokens else self.stage_flops_per_token  # token-weighted over stages
         notes = [cfg.ledger.notes] if cfg.ledger.notes else []
         if self.resumed:
             notes.append(f"resumed from {self.resumed['run_id']} at step {self.resumed['step']}")
@@ -937,12 +1076,13 @@ class Trainer:
             overrides=" ".join(self.overrides), device=str(self.device), world_size=backend.world_size,
             seed=cfg.run.seed, data_sha=self.data_sha, params=params, active_params=active_params(self.model),
             budget_s=cfg.budget.seconds, train_s=self.train_s, compile_s=compiles[1] if compiles else self.compile_s,
-            data_wait_s=self.loader.wait_s, eval_s=eval_s, steps=self.step_count,
-            tokens=self.step_count * cfg.optim.batch_tokens, tokens_per_s=tokens_per_s,
+            data_wait_s=self.data_wait_s + self.loader.wait_s, eval_s=eval_s, steps=self.step_count,
+            tokens=tokens, tokens_per_s=tokens_per_s,
             step_ms_p50=statistics.median(self.step_ms) if self.step_ms else None, flops_per_token=fpt,
             mfu=fpt * tokens_per_s / (peak[0] * backend.world_size), val_loss=val_loss, val_bpb=val_bpb,
             val_tokens=val_tokens, val_bytes=val_bytes, xla_compiles=compiles[0] if compiles else None,
-            peak_mem_mb=backend.peak_memory_mb(), stages=None, status=status, notes="; ".join(notes))
+            peak_mem_mb=backend.peak_memory_mb(), status=status, notes="; ".join(notes),
+            stages=" ".join(f"{i}@{start:.1f}s:{steps}" for i, start, steps in self.timeline))
         self.loader.close()
         if self.is_main:
             ledger.append(cfg.ledger.path, row)

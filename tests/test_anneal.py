@@ -1,0 +1,138 @@
+"""Compute annealing: schedule validation, function-preserving growth at every kind of switch,
+optimizer state after growth, a run across switches, precompiling every stage, resume mid-schedule."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import ledger
+import train
+from train import ConfigError, load_config
+from test_backends import COUNTERS, XLA_GRAPHS, run, smoke_args
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.yaml"
+WIDE = "model.mlp_mult=4"  # MLP width 256: two granules of 128, so it can grow
+THREE_STAGES = ("schedule.stages=[{at: 0, depth: 1, mlp_hidden: 128, seq_len: 32, attn_scale: 0.5}, "
+                "{at: 0.3, depth: 2}, {at: 0.6, mlp_hidden: 256, seq_len: 64, attn_scale: 1.0}]")
+
+
+@pytest.mark.parametrize("stages, message", [
+    ("[{at: 0.1}]", "schedule.stages[0].at: the first stage must be at 0"),
+    ("[{at: 0}, {at: 0.5}, {at: 0.5}]", "schedule.stages[2].at: expected increasing values in (0, 1), after 0.5"),
+    ("[{at: 0, depth: 3}]", "schedule.stages[0].depth: expected 1..2"),
+    ("[{at: 0, depth: 2}, {at: 0.5, depth: 1}]", "schedule.stages[1].depth: expected 2..2 (growing"),
+    ("[{at: 0, mlp_hidden: 100}]", "schedule.stages[0].mlp_hidden: expected a multiple of 128 or 256"),
+    ("[{at: 0, seq_len: 48}]", "schedule.stages[0].seq_len: must divide optim.micro_batch * data.seq_len (256)"),
+    ("[{at: 0, dept: 1}]", "unknown key schedule.stages[0].dept; did you mean depth?"),
+    ("[{at: 0, capacity: 0.5}]", "schedule.stages[0].capacity: needs mod.granularity other than none"),
+    ("[{depth: 1}]", "schedule.stages[0]: expected a mapping with `at`"),
+    ("[{at: 0, depth: one}]", "schedule.stages[0].depth: expected int, got 'one'"),
+])
+def test_schedule_errors_name_the_stage_and_key(stages, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(SMOKE, [WIDE, f"schedule.stages={stages}"])
+    assert message in str(e.value)
+
+
+def losses(trainer, x, y):
+    """(training-mode, evaluation-mode) loss of a fixed batch; no parameter changes."""
+    with torch.no_grad():
+        train_mode = trainer.model.loss(x, y).item()
+        trainer.model.eval()
+        eval_mode = trainer.model.loss(x, y).item()
+        trainer.model.train()
+    return train_mode, eval_mode
+
+
+@pytest.mark.parametrize("grow_depth, mod", [("append", "none"), ("interleave", "none"), ("append", "block")])
+def test_every_switch_preserves_the_function(tmp_path, builtin_1024, grow_depth, mod):
+    stages = ("schedule.stages=[{at: 0, depth: 2, mlp_hidden: 128, seq_len: 32, attn_scale: 0.5, capacity: 0.5}, "
+              "{at: 0.2, depth: 3}, {at: 0.4, mlp_hidden: 256}, {at: 0.6, depth: 4, seq_len: 64}, "
+              "{at: 0.8, attn_scale: 1.0, mlp_scale: 0.5, capacity: 1.0}]")
+    if mod == "none":
+        stages = stages.replace(", capacity: 0.5", "").replace(", capacity: 1.0", "")
+    cfg = load_config(SMOKE, smoke_args(tmp_path, WIDE, "model.n_layer=4", f"schedule.grow_depth={grow_depth}",
+                                        f"mod.granularity={mod}", "mod.layers=[1, 3]", "mod.block_size=16",
+                                        stages)[2:])
+    trainer = train.Trainer(cfg)
+    x, y = next(data.val_batches(trainer.val_files, 64, 4, 1024))
+    for index, stage in enumerate(trainer.stages[1:], start=1):
+        for _ in range(3):  # train the current stage, so nothing is at its initial value by luck
+            trainer.model.set_residual_scales(*trainer.residual_scales(stage.at - 1e-9))
+            trainer.step(0.0)
+            trainer.inputs = trainer.fetch()
+        before = losses(trainer, x, y)
+        params_before = train.active_params(trainer.model)
+        trainer.enter_stage(index)
+        trainer.model.set_residual_scales(*trainer.residual_scales(stage.at))
+        after = losses(trainer, x, y)
+        assert after[1] == pytest.approx(before[1], rel=1e-5)  # evaluation: every switch
+        if stage.capacity == trainer.stages[index - 1].capacity:  # training routing depends on capacity
+            assert after[0] == pytest.approx(before[0], rel=1e-5)
+        assert train.active_params(trainer.model) >= params_before
+    assert trainer.model.active == (0, 1, 2, 3) and all(b.mlp.hidden == 256 for b in trainer.model.blocks)
+    trainer.loader.close()
+
+
+def test_optimizer_state_after_growth(tmp_path, builtin_1024):
+    stages = "schedule.stages=[{at: 0, depth: 1, mlp_hidden: 128}, {at: 0.5, depth: 2, mlp_hidden: 256}]"
+    trainer = train.Trainer(load_config(SMOKE, smoke_args(tmp_path, WIDE, stages)[2:]))
+    muon = trainer.optimizers[0]
+    trainer.step(0.0)
+    new_layer = list(trainer.model.blocks[1].parameters())
+    assert all(p not in muon.state for p in new_layer)  # never active: no state yet
+    c_fc = trainer.model.blocks[0].mlp.c_fc.weight
+    assert muon.state[c_fc]["momentum_buffer"][128:].abs().sum() == 0  # inactive units: zero momentum
+    trainer.enter_stage(1)
+    trainer.step(0.5)
+    for p in muon.param_groups[0]["params"]:
+        assert muon.state[p]["momentum_buffer"].shape == p.shape  # every matrix now has fresh state
+    adam_state = trainer.optimizers[1].state[trainer.model.blocks[1].attn.q_gain]
+    assert adam_state["exp_avg"].shape == trainer.model.blocks[1].attn.q_gain.shape
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    trainer.loader.close()
+
+
+def test_a_run_passes_every_stage(tmp_path, builtin_1024):
+    args = smoke_args(tmp_path, WIDE, THREE_STAGES, "budget.seconds=3", "budget.max_steps=0", "run.log_every=5")
+    assert train.main(args) == 0
+    (row,) = ledger.read(tmp_path / "ledger.csv")
+    timeline = [part.split("@") for part in row["stages"].split()]
+    assert [int(i) for i, _ in timeline] == [0, 1, 2] and all(int(t.split(":")[1]) > 0 for _, t in timeline)
+    assert row["status"] == "ok" and math.isfinite(float(row["val_bpb"]))
+
+
+def test_resume_mid_schedule_restores_the_stage(tmp_path, builtin_1024):
+    args = smoke_args(tmp_path, WIDE, THREE_STAGES, "budget.seconds=3", "budget.max_steps=0")[2:]
+    first = train.Trainer(load_config(SMOKE, args))
+    first.train_s = 0.4 * 3  # in the middle stage
+    first.enter_stage(first.stage_at(0.4))
+    first.step(0.4)
+    first.timeline[-1][2] += 1
+    checkpoint = tmp_path / "mid.pt"
+    train.save_checkpoint(checkpoint, first.state())
+    first.loader.close()
+    resumed = train.Trainer(load_config(SMOKE, [*args, f"checkpoint.resume={checkpoint}"]))
+    assert resumed.stage == 1 and resumed.model.active == (0, 1)
+    assert all(b.mlp.hidden == 128 for b in resumed.model.blocks) and resumed.loader.seq_len == 32
+    assert resumed.timeline == first.timeline and resumed.loader_state == first.state()["loader"]
+    resumed.loader.close()
+    assert train.main([*smoke_args(tmp_path)[:2], *args, f"checkpoint.resume={checkpoint}"]) == 0
+    (row,) = ledger.read(tmp_path / "ledger.csv")
+    assert [part.split("@")[0] for part in row["stages"].split()] == ["0", "1", "2"]
+
+
+@pytest.mark.xla
+def test_precompile_runs_every_stage(tmp_path, builtin_1024):
+    cache = f"device.compile_cache={tmp_path / 'xla_cache'}"
+    args = ("device.type=xla", cache, WIDE, THREE_STAGES, "budget.seconds=4", "budget.max_steps=0")
+    launcher = (__import__("sys").executable, "-c", COUNTERS)
+    out = run(smoke_args(tmp_path, *args, "run.precompile=true"), launcher)
+    compiled = int(out.split("xla_compiles:")[1].split()[0])
+    assert compiled > XLA_GRAPHS  # the stages' graphs on top of one stage's
+    counters = json.loads(run(smoke_args(tmp_path, *args), launcher).split("COUNTERS ")[1])
+    assert counters.get("PersistentCacheMiss", 0) == 0  # the timed run met no graph precompile had not run
