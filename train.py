@@ -1,7 +1,8 @@
-"""AION training script: config -> device -> data -> model -> optimizers -> timed loop -> eval ->
-ledger row and checkpoint. Read top to bottom; line cap 1200.
+"""AION training script: config -> backend -> data -> model -> optimizers -> annealing stages ->
+timed loop -> eval -> ledger row and checkpoint. Read top to bottom; line cap 1200.
 
     python train.py --config configs/cpu.yaml [key.sub=value ...]
+    torchrun --nproc_per_node N train.py --config ... (data parallel)
 
 Rules kept here: no host sync inside the step (loss sums stay on the device and are read every
 run.log_every steps); the LR is a function of progress p = elapsed / budget.seconds, never of a
@@ -879,6 +880,7 @@ class Trainer:
         with torch.no_grad():
             for p, master in self.masters.items():
                 p.copy_(master)
+                master.grad = None  # a parameter skipped next step (routing, annealing) must get no update
         self.model.zero_grad(set_to_none=True)
         self.step_count += 1
         return loss
@@ -1045,6 +1047,8 @@ class Trainer:
             self.log(f"precompile status:{status} steps:{self.step_count} eval_batches:1 "
                      f"xla_compiles:{compiles[0] if compiles else '-'} "
                      f"compile_s:{compiles[1] if compiles else self.compile_s:.2f}")
+            if self.is_main:
+                self.log_file.close()
             return dict(status=status)
         tokens_per_s = throughput(self.step_ms, cfg.optim.batch_tokens)
         if self.is_main and status != "failed" and self.step_count > 0:

@@ -34,7 +34,7 @@ SMOKE = ROOT / "configs" / "smoke.yaml"
     ("model.n_layer.x=1", "model.n_layer: expected int, got {'x': 1}"),
     ("mod.granularity=tiles", "mod.granularity: expected one of none | block | layer | microbatch, got 'tiles'"),
     ("mod.capacity=0", "mod.capacity: expected in (0, 1], got 0.0"),
-    ("mod.layers=[1,x]", "mod.layers: expected a list of integers, got [1, 'x']"),
+    ("mod.layers=[1,x]", "mod.layers: expected a list of integers, got (1, 'x')"),
     ("mod.granularity=block mod.layers=[]", "mod.layers: expected distinct layer indices in [0, 2) (model.n_layer), got []"),
     ("mod.granularity=layer mod.layers=[1,2]", "mod.layers: expected distinct layer indices in [0, 2)"),
     ("mod.granularity=block mod.layers=[1] mod.block_size=48",
@@ -148,21 +148,24 @@ def test_smoke_run_writes_ledger_row(tmp_path, builtin_1024):
     assert Path(tmp_path / "runs" / row["run_id"] / "checkpoint.pt").is_file()
 
 
-def test_resume_reproduces_next_step_loss_and_load_for_eval(tmp_path, builtin_1024):
-    cfg = load_config(SMOKE, smoke_overrides(tmp_path, "budget.max_steps=3"))
+@pytest.mark.parametrize("routing", [(), ("mod.granularity=block", "mod.layers=[1]", "mod.block_size=16")])
+def test_resume_reproduces_next_step_loss_and_load_for_eval(tmp_path, builtin_1024, routing):
+    cfg = load_config(SMOKE, smoke_overrides(tmp_path, "budget.max_steps=3", *routing))
     first = train.Trainer(cfg)
     first.train()
     path = first.checkpoint_path
     expected = first.step(0.5).item()  # the step after the checkpoint, from the live objects
 
-    resumed = train.Trainer(load_config(SMOKE, smoke_overrides(tmp_path, f"checkpoint.resume={path}")))
+    resumed = train.Trainer(load_config(SMOKE, smoke_overrides(tmp_path, f"checkpoint.resume={path}", *routing)))
     assert resumed.step_count == 3
     assert resumed.step(0.5).item() == expected
 
     model = train.load_for_eval(path, "cpu")
     assert not model.training
     idx = torch.randint(0, cfg.model.vocab_size, (2, 32))
-    reference = train.Trainer(load_config(SMOKE, smoke_overrides(tmp_path, f"checkpoint.resume={path}"))).model
+    reference = train.Trainer(load_config(SMOKE, smoke_overrides(tmp_path, f"checkpoint.resume={path}",
+                                                                  *routing))).model
+    assert len(model.routers) == len(routing) // 3  # the routed model comes back routed
     with torch.no_grad():
         assert torch.equal(model(idx), reference.eval()(idx))
 
