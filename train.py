@@ -761,10 +761,14 @@ class Trainer:
         self.stop_signal, self.diverged, self.step_ms = None, False, []
 
     # -- annealing stages ----------------------------------------------------------------------
+    @property
+    def stage(self) -> int:
+        return self.timeline[-1][0]
+
     def stage_at(self, progress: float) -> int:
         """The stage for this progress; never one before the latest entered (a resumed run with a
         longer budget keeps its grown model)."""
-        reached = self.timeline[-1][0] if self.timeline else 0
+        reached = self.stage if self.timeline else 0
         return max(reached, max(i for i, stage in enumerate(self.stages) if stage.at <= progress))
 
     def enter_stage(self, index: int):
@@ -787,9 +791,8 @@ class Trainer:
         self.inputs = self.fetch()
         self.stage_flops_per_token = flops_per_token(cfg.model, stage.seq_len, cfg.mod, self.model.active,
                                                      stage.mlp_hidden)
-        if not self.timeline or self.timeline[-1][0] != index:
+        if not self.timeline or self.stage != index:
             self.timeline.append([index, self.train_s, 0])
-        self.stage = index
 
     def residual_scales(self, progress: float):
         """(attn, mlp) branch scales: each stage's values at its `at`, linear in between, so they
