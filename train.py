@@ -497,9 +497,6 @@ class Backend:
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         elif self.kind == "xla":
-            # Python scalars 0 and 1 are otherwise baked into graphs as constants, so an LR that
-            # passes through 0 (warmup, the floor) would compile extra graphs.
-            os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")
             try:
                 import torch_xla
                 import torch_xla.core.xla_model as xm
@@ -859,7 +856,9 @@ class Trainer:
     def step(self, progress: float) -> torch.Tensor:
         """Forward/backward over accum_steps micro-batches, gradients averaged over ranks, one
         update. Returns the mean training loss (of all ranks) as a device tensor, not read here."""
-        scale = lr_scale(progress, self.cfg.optim)
+        # Never exactly 0: torch-xla traces a zero LR into a graph of its own (measured), so warmup's
+        # first steps and warmdown's last would each compile one more.
+        scale = max(lr_scale(progress, self.cfg.optim), 1e-9)
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["peak_lr"] * scale
