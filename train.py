@@ -786,8 +786,8 @@ class Trainer:
         if self.loader_state is not None:
             self.loader.load_state_dict(self.loader_state)  # before the batches fetched for the old shape
         self.inputs = self.fetch()
-        self.stage_flops_per_token = flops_per_token(cfg.model, stage.seq_len, cfg.mod, self.model.active,
-                                                     stage.mlp_hidden)
+        self.stage_flops_per_token = flops_per_token(cfg.model, stage.seq_len, dataclasses.replace(
+            cfg.mod, capacity=stage.capacity), self.model.active, stage.mlp_hidden)
         if not self.timeline or self.stage != index:
             self.timeline.append([index, self.train_s, 0])
 

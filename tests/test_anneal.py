@@ -66,7 +66,7 @@ def test_every_switch_preserves_the_function(tmp_path, builtin_1024, grow_depth,
             trainer.step(0.0)
             trainer.inputs = trainer.fetch()
         before = losses(trainer, x, y)
-        params_before = train.active_params(trainer.model)
+        params_before, flops_before = train.active_params(trainer.model), trainer.stage_flops_per_token
         trainer.enter_stage(index)
         trainer.model.set_residual_scales(*trainer.residual_scales(stage.at))
         after = losses(trainer, x, y)
@@ -74,6 +74,9 @@ def test_every_switch_preserves_the_function(tmp_path, builtin_1024, grow_depth,
         if stage.capacity == trainer.stages[index - 1].capacity:  # training routing depends on capacity
             assert after[0] == pytest.approx(before[0], rel=1e-5)
         assert train.active_params(trainer.model) >= params_before
+        assert trainer.stage_flops_per_token >= flops_before
+        if stage.capacity > trainer.stages[index - 1].capacity:
+            assert trainer.stage_flops_per_token > flops_before  # the FLOPs follow the stage's capacity
     assert trainer.model.active == (0, 1, 2, 3) and all(b.mlp.hidden == 256 for b in trainer.model.blocks)
     trainer.loader.close()
 
