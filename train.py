@@ -569,10 +569,11 @@ class Backend:
             fn(*tensors)
 
     def all_reduce_(self, tensors, mean: bool):
-        """Sum (or average) tensors over ranks in place, as one collective."""
+        """Sum (or average) tensors over ranks in place, as one collective, in their promoted dtype
+        (float64 and int64 sums stay exact)."""
         if self.world_size == 1:
             return
-        flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        flat = torch.cat([t.reshape(-1) for t in tensors])
         dist.all_reduce(flat)
         if mean:
             flat /= self.world_size
@@ -783,9 +784,9 @@ class Trainer:
             self.loader = data.TrainLoader(self.train_files, rows, stage.seq_len, cfg.model.vocab_size,
                                            rank=self.backend.rank, world_size=self.backend.world_size,
                                            prefetch=cfg.data.prefetch)
-        if self.loader_state is not None:
-            self.loader.load_state_dict(self.loader_state)  # before the batches fetched for the old shape
-        self.inputs = self.fetch()
+            if self.loader_state is not None:
+                self.loader.load_state_dict(self.loader_state)  # before the batches fetched for the old shape
+            self.inputs = self.fetch()
         self.stage_flops_per_token = flops_per_token(cfg.model, stage.seq_len, dataclasses.replace(
             cfg.mod, capacity=stage.capacity), self.model.active, stage.mlp_hidden)
         if not self.timeline or self.stage != index:
