@@ -341,27 +341,49 @@ def prepare_builtin(out_dir, vocab_size, val_fraction, progress=True):
 # -----------------------------------------------------------------------------
 # loaders
 
+ORDERS = ("contiguous", "shuffle")
+
+
 class TrainLoader:
-    """Contiguous windows from memory-mapped shards. Each step the world reads the next
-    world_size * batch_size * seq_len tokens (+1 for the shifted target); rank r takes the r-th
-    contiguous slice, so ranks are disjoint. A step that does not fit in the rest of a shard
-    starts the next shard; after the last shard comes the first again (epoch += 1).
+    """Training batches from memory-mapped shards, in one of two orders (`order`):
+
+    - contiguous: each step the world reads the next world_size * batch_size * seq_len tokens (+1
+      for the shifted target) of the stream; rank r takes the r-th slice. A step that does not fit
+      in the rest of a shard starts the next shard; after the last shard comes the first again.
+      A batch is one stretch of text (often one or two documents): its rows are correlated.
+    - shuffle: every shard is cut into windows of seq_len + 1 tokens (seq_len apart, from an
+      offset drawn per epoch, so no window straddles a shard's end), and each epoch visits all of
+      them once in a random permutation; a step takes the next world_size * batch_size windows
+      and rank r the r-th batch_size of them. Rows come from all over the corpus, every token is
+      read once per epoch (sampling with replacement would repeat some windows and miss others),
+      and the order is a function of (seed, epoch) alone, so it is deterministic and resumable.
+
+    Either way ranks are disjoint, and the position (`state_dict`) counts tokens, so a loader with
+    another batch shape (an annealing stage) carries on from the same place in the epoch.
     A background thread reads `prefetch` batches ahead (0: read in next_batch)."""
 
-    def __init__(self, files, batch_size, seq_len, vocab_size, rank=0, world_size=1, prefetch=2):
+    def __init__(self, files, batch_size, seq_len, vocab_size, rank=0, world_size=1, prefetch=2,
+                 order="contiguous", seed=0):
         if not files:
             raise DataError("TrainLoader: no shard files given, expected fineweb_train_*.bin paths")
+        if order not in ORDERS:
+            raise DataError(f"TrainLoader: order {order!r}, expected one of {', '.join(ORDERS)}")
         self.files = [str(f) for f in files]
         self.shards = [load_shard(f, vocab_size) for f in self.files]
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
-        self.prefetch, self.wait_s = prefetch, 0.0
-        step_tokens = world_size * batch_size * seq_len + 1
-        for f, shard in zip(self.files, self.shards):
-            if len(shard) < step_tokens:
-                raise DataError(f"{f}: {len(shard)} tokens, expected at least {step_tokens} "
-                                f"(world_size {world_size} x batch_size {batch_size} x seq_len {seq_len} + 1)")
+        self.order, self.seed, self.prefetch, self.wait_s = order, seed, prefetch, 0.0
+        self._windows = None  # shuffle: (epoch, shard of each window, start of each window) in visiting order
+        if order == "contiguous":
+            step_tokens = world_size * batch_size * seq_len + 1
+            for f, shard in zip(self.files, self.shards):
+                if len(shard) < step_tokens:
+                    raise DataError(f"{f}: {len(shard)} tokens, expected at least {step_tokens} "
+                                    f"(world_size {world_size} x batch_size {batch_size} x seq_len {seq_len} + 1)")
+        elif (fewest := sum((len(s) - seq_len) // seq_len for s in self.shards)) < world_size * batch_size:
+            raise DataError(f"{', '.join(self.files)}: {fewest} windows of seq_len {seq_len} + 1 tokens, expected at "
+                            f"least world_size {world_size} x batch_size {batch_size} for one step")
         self._thread = None
-        self.load_state_dict({"shard": 0, "pos": 0, "epoch": 0})
+        self.load_state_dict({"shard": 0, "pos": 0, "epoch": 0, "order": order})
 
     @property
     def epoch(self):
@@ -369,6 +391,9 @@ class TrainLoader:
 
     def _read(self):
         """The batch at the read cursor; returns it with the cursor after it."""
+        return self._read_shuffled() if self.order == "shuffle" else self._read_contiguous()
+
+    def _read_contiguous(self):
         shard, pos, epoch = self._cursor
         rank_tokens = self.batch_size * self.seq_len
         if pos + self.world_size * rank_tokens + 1 > len(self.shards[shard]):
@@ -379,6 +404,32 @@ class TrainLoader:
         self._cursor = (shard, pos + self.world_size * rank_tokens, epoch)
         x, y = buf[:-1].view(self.batch_size, self.seq_len), buf[1:].view(self.batch_size, self.seq_len)
         return x, y, dict(shard=shard, pos=self._cursor[1], epoch=epoch)
+
+    def _epoch_windows(self, epoch):
+        """(shard index, start token) of every window of the epoch, in the epoch's random order."""
+        if self._windows is None or self._windows[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            offset = int(rng.integers(self.seq_len))  # a new cut each epoch
+            counts = [(len(s) - 1 - offset) // self.seq_len for s in self.shards]
+            shard = np.repeat(np.arange(len(self.shards)), counts)
+            start = offset + self.seq_len * np.concatenate([np.arange(n) for n in counts])
+            order = rng.permutation(len(shard))
+            self._windows = (epoch, shard[order], start[order])
+        return self._windows[1:]
+
+    def _read_shuffled(self):
+        _, pos, epoch = self._cursor
+        first, step_windows = pos // self.seq_len, self.world_size * self.batch_size
+        shard, start = self._epoch_windows(epoch)
+        if first + step_windows > len(shard):  # the epoch's last windows do not fill a step
+            epoch, first = epoch + 1, 0
+            shard, start = self._epoch_windows(epoch)
+        mine = slice(first + self.rank * self.batch_size, first + (self.rank + 1) * self.batch_size)
+        span = np.arange(self.seq_len + 1)
+        buf = torch.from_numpy(np.stack([self.shards[i][s + span] for i, s in zip(shard[mine], start[mine])])
+                               .astype(np.int64))
+        self._cursor = (0, (first + step_windows) * self.seq_len, epoch)
+        return buf[:, :-1].contiguous(), buf[:, 1:].contiguous(), dict(shard=0, pos=self._cursor[1], epoch=epoch)
 
     def _put(self, item):
         while not self._stop.is_set():
@@ -406,9 +457,13 @@ class TrainLoader:
 
     def state_dict(self):
         """Position of the next batch next_batch returns (not of the read-ahead), in tokens."""
-        return dict(self._state)
+        return dict(self._state, order=self.order)
 
     def load_state_dict(self, state):
+        order = state.get("order", "contiguous")  # checkpoints from before data.order were contiguous
+        if order != self.order:  # a position means something else in the other order
+            raise DataError(f"loader state is of data.order {order!r}, this loader reads {self.order!r}")
+        state = {k: v for k, v in state.items() if k != "order"}
         if not 0 <= state["shard"] < len(self.shards):
             raise DataError(f"loader state names shard {state['shard']}, expected < {len(self.shards)} shards")
         self._state = dict(state)

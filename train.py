@@ -63,6 +63,7 @@ class DataConfig:
     val_fraction: float
     seq_len: int
     prefetch: int
+    order: str
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,8 @@ class BudgetConfig:
 class EvalConfig:
     tokens: int
     batch_size: int
+    every_seconds: float
+    curve_tokens: int
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,8 @@ class DeviceConfig:
 class LedgerConfig:
     path: str
     notes: str
+    sweep: str
+    variant: str
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,7 @@ def one_of(*choices):
 CHECKS = {
     "run.log_every": positive, "data.source": one_of("builtin", "shards"),
     "data.val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"), "data.seq_len": positive,
-    "data.prefetch": non_negative, "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
+    "data.prefetch": non_negative, "data.order": one_of(*data.ORDERS), "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
     "model.n_layer": positive, "model.n_embd": positive, "model.n_head": positive, "model.n_kv_head": positive,
     "model.mlp_mult": positive, "model.mlp": one_of("relu2", "swiglu"), "model.logit_softcap": non_negative,
     "model.rope_base": positive, "mod.granularity": one_of("none", "block", "layer", "microbatch"),
@@ -209,6 +214,7 @@ CHECKS = {
     "optim.weight_decay": non_negative, "optim.warmup": fraction, "optim.warmdown": fraction,
     "optim.lr_floor": fraction, "optim.grad_clip": non_negative, "budget.seconds": positive,
     "budget.max_steps": non_negative, "eval.tokens": non_negative, "eval.batch_size": positive,
+    "eval.every_seconds": non_negative, "eval.curve_tokens": non_negative,
     "device.type": one_of("auto", "cpu", "cuda", "xla", "neuron"),
     "device.dtype": one_of("auto", "float32", "bfloat16"), "device.bf16": one_of("autocast", "weights"),
     "checkpoint.every_seconds": non_negative,
@@ -314,6 +320,9 @@ def validate(cfg: Config):
                           f"data.seq_len ({o.micro_batch} * {cfg.data.seq_len})")
     if 0 < cfg.eval.tokens < cfg.data.seq_len:
         raise ConfigError(f"eval.tokens ({cfg.eval.tokens}) must be 0 (all) or at least data.seq_len ({cfg.data.seq_len})")
+    if cfg.eval.every_seconds and cfg.eval.curve_tokens < cfg.data.seq_len:
+        raise ConfigError(f"eval.curve_tokens ({cfg.eval.curve_tokens}) must be at least data.seq_len "
+                          f"({cfg.data.seq_len}) when eval.every_seconds is set")
     r = cfg.mod
     if r.granularity != "none":
         if not r.layers or len(set(r.layers)) != len(r.layers) or not all(0 <= i < m.n_layer for i in r.layers):
@@ -390,6 +399,24 @@ def flatten(tree: dict, prefix="") -> dict:
     for key, value in tree.items():
         out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
     return out
+
+
+# Config keys that cannot change what a run learns: seeds, names, paths, notes and tags, and logging,
+# checkpointing and evaluation cadence (their time is kept out of the budget). Runs whose configs
+# differ only here are repeats of one recipe: an arm of an experiment.
+RECIPE_IGNORED = frozenset([
+    "run.name", "run.seed", "run.out_dir", "run.log_every", "run.precompile", "data.path", "data.tokenizer",
+    "data.prefetch", "eval.batch_size", "eval.every_seconds", "eval.curve_tokens", "device.compile_cache",
+    "ledger.path", "ledger.notes", "ledger.sweep", "ledger.variant", "checkpoint.path", "checkpoint.every_seconds",
+    "checkpoint.resume",
+])
+
+
+def recipe(flat_config: dict, data_sha: str) -> str:
+    """12 hex digits naming what is learned: the flattened config without RECIPE_IGNORED, and the
+    data fingerprint (which stands for the data paths)."""
+    kept = {k: v for k, v in flat_config.items() if k not in RECIPE_IGNORED}
+    return hashlib.sha256(json.dumps([kept, data_sha], sort_keys=True, default=list).encode()).hexdigest()[:12]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -757,6 +784,7 @@ class Trainer:
             self.restore(self.resumed)
         self.enter_stage(self.stage_at(self.train_s / cfg.budget.seconds))
         self.stop_signal, self.diverged, self.step_ms = None, False, []
+        self.curve_s, self.curve_points = 0.0, 0
 
     # -- annealing stages ----------------------------------------------------------------------
     @property
@@ -783,7 +811,7 @@ class Trainer:
                 self.data_wait_s += self.loader.wait_s
             self.loader = data.TrainLoader(self.train_files, rows, stage.seq_len, cfg.model.vocab_size,
                                            rank=self.backend.rank, world_size=self.backend.world_size,
-                                           prefetch=cfg.data.prefetch)
+                                           prefetch=cfg.data.prefetch, order=cfg.data.order, seed=cfg.run.seed)
             if self.loader_state is not None:
                 self.loader.load_state_dict(self.loader_state)  # before the batches fetched for the old shape
             self.inputs = self.fetch()
@@ -889,9 +917,9 @@ class Trainer:
         return loss
 
     @torch.no_grad()
-    def evaluate(self, max_batches=0):
-        """-> (val_loss nats/token, val_bpb, target tokens, target bytes) over eval.tokens of the
-        validation split (0 = all of it), non-overlapping windows of data.seq_len, sharded over
+    def evaluate(self, max_tokens: int, max_batches=0):
+        """-> (val_loss nats/token, val_bpb, target tokens, target bytes) over the first max_tokens
+        of the validation split (0 = all of it), non-overlapping windows of data.seq_len, sharded over
         ranks. Every batch has the same shape (a short last one is padded and weighed 0), so
         XLA compiles one eval graph."""
         self.model.eval()
@@ -902,7 +930,7 @@ class Trainer:
         nll = torch.zeros(1, dtype=self.backend.sum_dtype).to(self.device)
         counts = torch.zeros(2, dtype=torch.int64).to(self.device)  # target bytes, target tokens
         batches = data.val_batches(self.val_files, seq_len, batch, self.cfg.model.vocab_size,
-                                   max_tokens=self.cfg.eval.tokens, rank=self.backend.rank,
+                                   max_tokens=max_tokens, rank=self.backend.rank,
                                    world_size=self.backend.world_size)
         for i, (x, y) in enumerate(batches):
             rows = x.size(0)
@@ -939,17 +967,39 @@ class Trainer:
         loss = (total - self.logged[0]) / (self.step_count - self.logged[1])
         self.logged = (total, self.step_count)
         budget = self.cfg.budget.seconds
-        self.log(f"step:{self.step_count} loss:{loss:.4f} "
-                 f"tokens_per_s:{throughput(self.step_ms, self.cfg.optim.batch_tokens):.0f} "
-                 f"train_s:{self.train_s:.1f} p:{self.train_s / budget:.3f} "
-                 f"lr_scale:{lr_scale(self.train_s / budget, self.cfg.optim):.3f} epoch:{self.loader.epoch}")
+        tokens_per_s, scale = throughput(self.step_ms, self.cfg.optim.batch_tokens), lr_scale(self.train_s / budget, self.cfg.optim)
+        self.log(f"step:{self.step_count} loss:{loss:.4f} tokens_per_s:{tokens_per_s:.0f} train_s:{self.train_s:.1f} "
+                 f"p:{self.train_s / budget:.3f} lr_scale:{scale:.3f} epoch:{self.loader.epoch}")
+        self.metric("train", loss=loss, lr_scale=scale, tokens_per_s=tokens_per_s)
         self.diverged = not math.isfinite(loss)
+
+    def metric(self, kind: str, **values):
+        """One record of the learning curve in metrics.jsonl: kind train (a log line), curve (the
+        eval.curve_tokens slice during training) or final (the whole evaluation)."""
+        if self.is_main:
+            record = dict(kind=kind, step=self.step_count, train_s=round(self.train_s, 3),
+                          tokens=self.step_count * self.cfg.optim.batch_tokens, stage=self.stage, **values)
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
+
+    def curve_point(self):
+        """Evaluate the same first eval.curve_tokens of the validation split; the time is recorded
+        and, like all evaluation, kept out of the budget."""
+        start = time.perf_counter()
+        val_loss, val_bpb, _, _ = self.evaluate(self.cfg.eval.curve_tokens)
+        seconds = time.perf_counter() - start
+        self.curve_s += seconds
+        self.curve_points += 1
+        self.log(f"curve step:{self.step_count} train_s:{self.train_s:.1f} val_loss:{val_loss:.4f} "
+                 f"val_bpb:{val_bpb:.4f} eval_s:{seconds:.2f}")
+        self.metric("curve", val_loss=val_loss, val_bpb=val_bpb, eval_s=seconds)
 
     def train(self) -> dict:
         cfg, backend = self.cfg, self.backend
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.log_file = open(self.run_dir / "log.txt", "a")
+            self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
         git_commit, git_dirty = git_state()
         self.log(f"run_id:{self.run_id} git:{git_commit}{'+dirty' if git_dirty else ''} config:{self.config_path} "
                  f"overrides:{' '.join(self.overrides) or '-'}")
@@ -973,6 +1023,8 @@ class Trainer:
         max_steps = start_step + len(plan) if self.precompile else cfg.budget.max_steps
         scaled = any((stage.attn_scale, stage.mlp_scale) != (1.0, 1.0) for stage in self.stages)
         last_checkpoint = self.train_s
+        curve_every = 0 if self.precompile else cfg.eval.every_seconds
+        next_curve = self.train_s  # a point at the start (step 0), then every curve_every seconds of training
         loss_total = torch.zeros((), dtype=backend.sum_dtype, device=self.device)
         self.logged = (0.0, start_step)  # (loss_total, step) at the last log line
         budget = cfg.budget.seconds
@@ -985,6 +1037,9 @@ class Trainer:
                     break
                 if self.train_s >= budget or (max_steps and self.step_count >= max_steps):
                     break
+                if curve_every and self.train_s >= next_curve:
+                    self.curve_point()
+                    next_curve = (self.train_s // curve_every + 1) * curve_every
                 progress = self.train_s / budget
                 index = plan[self.step_count - start_step] if self.precompile else self.stage_at(progress)
                 if index != self.stage:
@@ -1044,7 +1099,7 @@ class Trainer:
         compiles = backend.compile_stats()
         if self.precompile:
             if status == "ok":
-                self.evaluate(max_batches=1)  # result ignored: under graph extraction it is zeros
+                self.evaluate(cfg.eval.tokens, max_batches=1)  # result ignored: under graph extraction it is zeros
                 compiles = backend.compile_stats()
             self.loader.close()
             self.log(f"precompile status:{status} steps:{self.step_count} eval_batches:1 "
@@ -1052,6 +1107,7 @@ class Trainer:
                      f"compile_s:{compiles[1] if compiles else self.compile_s:.2f}")
             if self.is_main:
                 self.log_file.close()
+                self.metrics_file.close()
             return dict(status=status)
         tokens_per_s = throughput(self.step_ms, cfg.optim.batch_tokens)
         if self.is_main and status != "failed" and self.step_count > 0:
@@ -1060,8 +1116,9 @@ class Trainer:
         eval_s = 0.0
         if status == "ok":
             start = time.perf_counter()
-            val_loss, val_bpb, val_tokens, val_bytes = self.evaluate()
+            val_loss, val_bpb, val_tokens, val_bytes = self.evaluate(cfg.eval.tokens)
             eval_s = time.perf_counter() - start
+            self.metric("final", eval_s=eval_s, val_loss=val_loss, val_bpb=val_bpb)
             compiles = backend.compile_stats()
         tokens = self.step_count * cfg.optim.batch_tokens
         fpt = self.flops / tokens if tokens else self.stage_flops_per_token  # token-weighted over stages
@@ -1072,6 +1129,8 @@ class Trainer:
             notes.append(f"routing_agreement={self.routing_agreement:.4f} (eval tiles where the causal predictor "
                          f"matched the training top-k)")
         notes.append(f"peak_flops={peak[0]:.4g} {peak[1]}")
+        if self.curve_points:
+            notes.append(f"curve_evals={self.curve_points} curve_eval_s={self.curve_s:.1f}")
         if compiles:
             notes.append(f"xla_transfers={backend.transfers()} warmup_s={self.compile_s:.2f}")
         if error:
@@ -1089,6 +1148,8 @@ class Trainer:
             mfu=fpt * tokens_per_s / (peak[0] * backend.world_size), val_loss=val_loss, val_bpb=val_bpb,
             val_tokens=val_tokens, val_bytes=val_bytes, xla_compiles=compiles[0] if compiles else None,
             peak_mem_mb=backend.peak_memory_mb(), status=status, notes="; ".join(notes),
+            recipe=recipe(flatten(dataclasses.asdict(cfg)), self.data_sha), sweep=cfg.ledger.sweep,
+            variant=cfg.ledger.variant,
             stages=" ".join(f"{i}@{start:.1f}s:{steps}" for i, start, steps in self.timeline))
         self.loader.close()
         if self.is_main:
@@ -1096,6 +1157,7 @@ class Trainer:
             self.log("summary " + " ".join(f"{k}:{v:.6g}" if isinstance(v, float) else f"{k}:{v}"
                                            for k, v in row.items() if v not in (None, "") and k != "notes"))
             self.log_file.close()
+            self.metrics_file.close()
         return row
 
 

@@ -261,9 +261,57 @@ def test_loader_ranks_disjoint(shards):
         loader.close()
 
 
+def shuffled(shards, batch_size=4, seq_len=16, **kw):
+    return data.TrainLoader(shards, batch_size, seq_len, 8000, order="shuffle", **kw)
+
+
+def test_shuffled_loader_visits_every_window_once_per_epoch(shards):
+    loader = shuffled(shards, prefetch=0, seed=3)
+    epoch = []
+    while loader.epoch == 0:
+        x, y = loader.next_batch()
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        epoch.append(x)
+    last = epoch.pop()  # the first batch of epoch 1
+    starts = torch.cat(epoch)[:, 0]
+    assert torch.equal(torch.cat(epoch), starts[:, None] + torch.arange(16))  # whole windows of the stream
+    assert not ((starts < 5000) & (starts + 16 >= 5000)).any()  # none straddles the shards' boundary (5000)
+    offsets = {int(s) % 16 for s in starts[starts < 5000]} | {(int(s) - 5000) % 16 for s in starts[starts >= 5000]}
+    assert len(offsets) == 1 and len(set(starts.tolist())) == len(starts)  # one grid in both shards, no window twice
+    offset = offsets.pop()
+    n_windows = (5000 - 1 - offset) // 16 + (3000 - 1 - offset) // 16
+    assert len(starts) == n_windows // 4 * 4  # all of them but a remainder smaller than a step
+    assert starts.tolist() != sorted(starts.tolist())  # shuffled
+    assert not torch.equal(last, epoch[0])  # the next epoch has its own order
+
+
+def test_shuffled_loader_is_deterministic_resumable_and_rank_disjoint(shards):
+    first, again, other = (batches(shuffled(shards, seed=s), 30) for s in (1, 1, 2))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again))
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(first, other))
+
+    loader = shuffled(shards, seed=1, prefetch=3)
+    batches(loader, 20)
+    state = loader.state_dict()
+    expected = batches(loader, 5)
+    loader.close()
+    resumed = shuffled(shards, seed=1, prefetch=2)
+    resumed.next_batch()  # read ahead before the restore
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches(resumed, 5), expected))
+    resumed.close()
+    with pytest.raises(data.DataError, match="data.order 'shuffle'"):
+        data.TrainLoader(shards, 4, 16, 8000).load_state_dict(state)
+
+    ranks = [shuffled(shards, 2, seed=1, rank=r, world_size=2) for r in range(2)]
+    for (x0, _), (x1, _), (x, _) in zip(batches(ranks[0], 30), batches(ranks[1], 30), first):
+        assert torch.equal(torch.cat([x0, x1]), x)
+
+
 def test_loader_rejects_bad_shards(shards, tmp_path):
     assert str(shards[0]) in error_of(data.TrainLoader, shards, 4, 16, 4000)  # ids up to 4999
     assert str(shards[1]) in error_of(data.TrainLoader, shards, 64, 64, 8000)  # shard smaller than one step
+    assert "expected at least world_size 1 x batch_size 600" in error_of(shuffled, shards, 600)
 
 
 def test_val_batches_cover_each_target_once(tmp_path):
