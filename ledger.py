@@ -3,14 +3,23 @@
 train.py calls append(path, row) at the end of every run; people read the ledger with
     python ledger.py show [-n N] [--path ledger.csv]
     python ledger.py compare RUN_A RUN_B [--path ledger.csv]
-where a run id may be abbreviated to a unique prefix. Standard library only.
+    python ledger.py verdict ARM_A ARM_B [--path ledger.csv]
+    python ledger.py plot curves ARM [ARM ...] --out curves.png [--runs-dir runs]
+    python ledger.py plot variants SWEEP --out variants.png
+where a run id may be abbreviated to a unique prefix, and an arm is a set of ok runs named by a
+recipe, SWEEP/VARIANT, a config name, a run id prefix or a notes tag (see `arm`). The verdict uses
+scipy and the plots matplotlib, imported only there; the rest is standard library.
 """
 import argparse
 import csv
 import fcntl
 import io
+import json
+import math
 import os
+import statistics
 import sys
+from pathlib import Path
 
 COLUMNS = [
     "time", "run_id", "git_commit", "git_dirty", "config", "config_sha", "overrides", "device",
@@ -138,6 +147,151 @@ def compare(rows, key_a, key_b):
     print(_table(lines))
 
 
+# -- arms and verdicts ---------------------------------------------------------------------------
+
+ALPHA, POWER = 0.05, 0.8  # a verdict needs p < ALPHA; "seeds needed" is for this power at ALPHA
+MAX_SEEDS = 1000
+ARM_KINDS = ("recipe", "sweep/variant", "config", "run id prefix", "notes tag")
+
+
+def arm(rows, key):
+    """-> (kind, rows): the ok runs with a val_bpb that `key` names, trying in turn a recipe, SWEEP/VARIANT,
+    a config (path, file name or stem), a run id prefix and a notes substring; the first kind that
+    matches any run wins."""
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("val_bpb")]
+    tests = (lambda r: r.get("recipe") == key,
+             lambda r: r.get("sweep") and f"{r['sweep']}/{r.get('variant', '')}" == key,
+             lambda r: key in (r["config"], Path(r["config"]).name, Path(r["config"]).stem),
+             lambda r: r["run_id"].startswith(key),
+             lambda r: key in r.get("notes", ""))
+    for kind, test in zip(ARM_KINDS, tests):
+        found = [r for r in ok if test(r)]
+        if found:
+            return kind, found
+    raise LedgerError(f"no ok run with a val_bpb matches arm {key!r} (tried: {', '.join(ARM_KINDS)})")
+
+
+def seeds_needed(diff, sd):
+    """Runs per arm for a two-sided Welch test at ALPHA to detect `diff` with power POWER when
+    both arms have standard deviation sd (noncentral t); None if there is no difference to find."""
+    from scipy import stats
+    if not diff or not math.isfinite(diff) or not math.isfinite(sd):
+        return None
+    for n in range(2, MAX_SEEDS + 1):
+        df, ncp = 2 * n - 2, abs(diff) / (sd * math.sqrt(2 / n)) if sd else math.inf
+        critical = stats.t.ppf(1 - ALPHA / 2, df)
+        if ncp == math.inf or stats.nct.sf(critical, df, ncp) + stats.nct.cdf(-critical, df, ncp) >= POWER:
+            return n
+    return MAX_SEEDS + 1
+
+
+def verdict(a, b, higher_is_better):
+    """Arm B against arm A (lists of floats): means, spreads, B - A with its 95 % confidence
+    interval and Welch's t-test p-value (scipy), and keep (B better, p < ALPHA) | revert (B worse,
+    p < ALPHA) | inconclusive, with the runs per arm that would resolve a difference of this size."""
+    from scipy import stats
+    out = dict(n_a=len(a), mean_a=statistics.fmean(a), sd_a=statistics.stdev(a) if len(a) > 1 else math.nan,
+               n_b=len(b), mean_b=statistics.fmean(b), sd_b=statistics.stdev(b) if len(b) > 1 else math.nan)
+    out["diff"] = out["mean_b"] - out["mean_a"]
+    out["low"] = out["high"] = out["p"] = math.nan
+    if len(a) > 1 and len(b) > 1 and (out["sd_a"] or out["sd_b"]):
+        test = stats.ttest_ind(b, a, equal_var=False)
+        out["p"] = float(test.pvalue)
+        out["low"], out["high"] = test.confidence_interval(1 - ALPHA)
+    better = out["diff"] > 0 if higher_is_better else out["diff"] < 0
+    out["verdict"] = ("inconclusive" if not out["p"] < ALPHA else "keep" if better else "revert")
+    sd = math.sqrt((out["sd_a"] ** 2 + out["sd_b"] ** 2) / 2)
+    out["seeds"] = seeds_needed(out["diff"], sd)
+    return out
+
+
+METRICS = (("val_bpb", False), ("tokens_per_s", True))  # (column, higher is better)
+
+
+def verdict_lines(name_a, rows_a, name_b, rows_b):
+    """The verdict table of B against A for every column of METRICS."""
+    lines = [["metric", "arm", "n", "mean", "sd", "B - A", "95% CI", "p", "verdict", "seeds/arm"]]
+    for column, higher in METRICS:
+        v = verdict([float(r[column]) for r in rows_a], [float(r[column]) for r in rows_b], higher)
+        seeds = ("-" if v["seeds"] is None else f">{MAX_SEEDS}" if v["seeds"] > MAX_SEEDS else str(v["seeds"]))
+        lines.append([column, f"A {name_a}", str(v["n_a"]), f"{v['mean_a']:.6g}", f"{v['sd_a']:.3g}", "", "", "", "", ""])
+        lines.append(["", f"B {name_b}", str(v["n_b"]), f"{v['mean_b']:.6g}", f"{v['sd_b']:.3g}", f"{v['diff']:+.4g}",
+                      f"[{v['low']:+.4g}, {v['high']:+.4g}]", f"{v['p']:.3g}", v["verdict"], seeds])
+    return lines
+
+
+def print_verdict(rows, key_a, key_b):
+    arms = []
+    for key in (key_a, key_b):
+        kind, found = arm(rows, key)
+        recipes = sorted({r.get("recipe") or "?" for r in found})
+        mixed = f"; {len(recipes)} recipes: not one recipe" if len(recipes) > 1 else f"; recipe {recipes[0]}"
+        print(f"arm {key!r}: {kind}, {len(found)} ok runs{mixed}")
+        arms.append(found)
+    print(_table(verdict_lines(key_a, arms[0], key_b, arms[1])))
+    print(f"keep: B better with p < {ALPHA} (Welch's t-test); revert: B worse with p < {ALPHA}; seeds/arm: runs per "
+          f"arm that detect a difference of this size at this spread with power {POWER}")
+
+
+# -- plots ---------------------------------------------------------------------------------------
+
+def read_metrics(runs_dir, run_id):
+    """The learning-curve records train.py wrote for a run ([] if its metrics.jsonl is not here)."""
+    path = Path(runs_dir) / run_id / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def plot_curves(arms, out, runs_dir):
+    """Train loss and curve val_bpb of every run of each arm ({label: rows}), against training
+    seconds and tokens."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharey="row")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = 0
+    for i, (key, rows) in enumerate(arms.items()):
+        for j, row in enumerate(rows):
+            records = read_metrics(runs_dir, row["run_id"])
+            if not records:
+                print(f"warning: no {Path(runs_dir) / row['run_id'] / 'metrics.jsonl'}", file=sys.stderr)
+            for r, (kind, value) in enumerate((("train", "loss"), ("curve", "val_bpb"))):
+                points = [p for p in records if p["kind"] == kind]
+                for c, x in enumerate(("train_s", "tokens")):
+                    axes[r][c].plot([p[x] for p in points], [p[value] for p in points], color=colors[i % len(colors)],
+                                    alpha=0.8, label=key if j == 0 and r == c == 0 else None)
+            drawn += bool(records)
+    if not drawn:
+        raise LedgerError(f"no learning curves found under {runs_dir} for {', '.join(arms)}")
+    for r, label in enumerate(("train loss (nats/token)", "curve val_bpb")):
+        for c, x in enumerate(("training seconds", "training tokens")):
+            axes[r][c].set(xlabel=x, ylabel=label)
+            axes[r][c].grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def plot_variants(arms, out, title):
+    """val_bpb of each arm ({label: rows}, e.g. a sweep's variants): every run (seed) as a point,
+    the mean as a line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(arms) + 2), 4))
+    for i, rows in enumerate(arms.values()):
+        values = [float(r["val_bpb"]) for r in rows]
+        ax.scatter([i] * len(values), values, color="C0", zorder=3)
+        ax.hlines(statistics.fmean(values), i - 0.3, i + 0.3, color="C3", zorder=2)
+    ax.set_xticks(range(len(arms)), list(arms), rotation=20)
+    ax.set(ylabel="val_bpb (lower is better)", title=f"{title}: each run (points), mean (line)")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -146,7 +300,15 @@ def main(argv=None):
     compare_parser = commands.add_parser("compare", help="two runs side by side")
     compare_parser.add_argument("run_a")
     compare_parser.add_argument("run_b")
-    for sub in (show_parser, compare_parser):
+    verdict_parser = commands.add_parser("verdict", help="arm B against arm A, with the seed noise taken into account")
+    verdict_parser.add_argument("arm_a", help="recipe, SWEEP/VARIANT, config, run id prefix or notes tag")
+    verdict_parser.add_argument("arm_b")
+    plot_parser = commands.add_parser("plot", help="PNG plots: learning curves of arms, or val_bpb per sweep variant")
+    plot_parser.add_argument("what", choices=("curves", "variants"))
+    plot_parser.add_argument("names", nargs="+", help="curves: arms (each named as for verdict); variants: a sweep name")
+    plot_parser.add_argument("--out", required=True, help="PNG file to write")
+    plot_parser.add_argument("--runs-dir", default="runs", help="where the runs' metrics.jsonl are (run.out_dir)")
+    for sub in (show_parser, compare_parser, verdict_parser, plot_parser):
         sub.add_argument("--path", default=LEDGER, help="ledger CSV")
     args = parser.parse_args(argv)
 
@@ -158,7 +320,20 @@ def main(argv=None):
         show(rows, args.n)
         return 0
     try:
-        compare(rows, args.run_a, args.run_b)
+        if args.command == "compare":
+            compare(rows, args.run_a, args.run_b)
+        elif args.command == "verdict":
+            print_verdict(rows, args.arm_a, args.arm_b)
+        elif args.what == "curves":
+            plot_curves({key: arm(rows, key)[1] for key in args.names}, args.out, args.runs_dir)
+        else:
+            sweep = [r for r in rows if r.get("sweep") == args.names[0] and r["status"] == "ok" and r["val_bpb"]]
+            if not sweep:
+                raise LedgerError(f"no ok runs of sweep {args.names[0]!r}")
+            variants = {}
+            for r in sweep:
+                variants.setdefault(r["variant"], []).append(r)
+            plot_variants(variants, args.out, f"sweep {args.names[0]}")
     except LedgerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -201,7 +201,8 @@ def one_of(*choices):
 CHECKS = {
     "run.log_every": positive, "data.source": one_of("builtin", "shards"),
     "data.val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"), "data.seq_len": positive,
-    "data.prefetch": non_negative, "data.order": one_of(*data.ORDERS), "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
+    "data.prefetch": non_negative, "data.order": one_of(*data.ORDERS),
+    "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
     "model.n_layer": positive, "model.n_embd": positive, "model.n_head": positive, "model.n_kv_head": positive,
     "model.mlp_mult": positive, "model.mlp": one_of("relu2", "swiglu"), "model.logit_softcap": non_negative,
     "model.rope_base": positive, "mod.granularity": one_of("none", "block", "layer", "microbatch"),
@@ -967,7 +968,8 @@ class Trainer:
         loss = (total - self.logged[0]) / (self.step_count - self.logged[1])
         self.logged = (total, self.step_count)
         budget = self.cfg.budget.seconds
-        tokens_per_s, scale = throughput(self.step_ms, self.cfg.optim.batch_tokens), lr_scale(self.train_s / budget, self.cfg.optim)
+        tokens_per_s = throughput(self.step_ms, self.cfg.optim.batch_tokens)
+        scale = lr_scale(self.train_s / budget, self.cfg.optim)
         self.log(f"step:{self.step_count} loss:{loss:.4f} tokens_per_s:{tokens_per_s:.0f} train_s:{self.train_s:.1f} "
                  f"p:{self.train_s / budget:.3f} lr_scale:{scale:.3f} epoch:{self.loader.epoch}")
         self.metric("train", loss=loss, lr_scale=scale, tokens_per_s=tokens_per_s)

@@ -1,0 +1,290 @@
+"""Sweeps and ablations: variants x seeds of train.py runs, one after another, each tagged in the
+ledger with its sweep and variant, resumable after a kill, ending with the verdict table of every
+variant against the baseline (and its plots) in <sweep file's folder>/<name>/.
+
+    python sweep.py sweeps/batch_order.yaml [--nproc N] [--max-runs N] [key.sub=value ...]
+    python sweep.py --ablate configs/aion.yaml [--seeds 1337 7] [--nproc N] [key.sub=value ...]
+
+A sweep file (YAML):
+    name: batch_order                  # the ledger's `sweep` column
+    config: configs/cpu.yaml           # every variant starts from it
+    seeds: [1337, 7]                   # every variant runs once per seed
+    overrides: [budget.seconds=600]    # optional: for every variant, before its own
+    baseline: contiguous               # optional (default: the first variant): what the others are judged against
+    variants:                          # name: its overrides
+      contiguous: [data.order=contiguous]
+      shuffle: [data.order=shuffle]
+    grid:                              # optional: one more variant per combination, named key=value,...
+      optim.muon_lr: [0.02, 0.08]
+
+Overrides after the sweep file apply to every run (and so change the recipes: another arm).
+A (variant, seed) pair with an ok or diverged row of the variant's recipe is done and skipped; one
+whose checkpoint exists resumes from it. Ctrl-C (SIGINT) or SIGTERM: the running train.py saves a
+checkpoint and writes an `interrupted` row, then the sweep stops; run the same command to resume.
+
+--ablate derives the variants from a config: `full`, and one per AION component switched off:
+routing (mod.granularity=none), annealing (no schedule), and each schedule key (removed from
+every stage). The table then reads as each component's contribution: the full system (B) against
+the system without it (A).
+"""
+import argparse
+import dataclasses
+import itertools
+import math
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+import ledger
+import train
+
+ROOT = Path(__file__).resolve().parent
+DONE = ("ok", "diverged")  # a diverged run is a result too: running it again would diverge again
+
+
+class SweepError(ValueError):
+    pass
+
+
+def flow(value) -> str:
+    """A YAML value on one line, as an override's right-hand side."""
+    return yaml.safe_dump(value, default_flow_style=True, width=math.inf).strip()
+
+
+def plain_name(name, what):
+    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+        raise SweepError(f"{what}: expected a plain name (no '/', not empty), got {name!r}")
+    return name
+
+
+def load_sweep(path: Path) -> dict:
+    """A sweep file -> dict(name, config, seeds, overrides, baseline, variants {name: overrides}, out)."""
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise SweepError(f"{path}: cannot read a sweep from it: {e}") from None
+    if not isinstance(doc, dict):
+        raise SweepError(f"{path}: expected a mapping with name, config, seeds and variants")
+    unknown = set(doc) - {"name", "config", "seeds", "overrides", "baseline", "variants", "grid"}
+    if unknown:
+        raise SweepError(f"{path}: unknown keys {', '.join(sorted(unknown))}; expected name, config, seeds, "
+                         f"overrides, baseline, variants, grid")
+    name = plain_name(doc.get("name"), f"{path}: name")
+    seeds = doc.get("seeds")
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds):
+        raise SweepError(f"{path}: seeds: expected a list of non-negative integers, got {seeds!r}")
+
+    def overrides(value, key):
+        if not isinstance(value, list) or not all(isinstance(o, str) and "=" in o for o in value):
+            raise SweepError(f"{path}: {key}: expected a list of key.sub=value strings, got {value!r}")
+        return value
+
+    variants = {plain_name(v, f"{path}: variants"): overrides(o, f"variants.{v}")
+                for v, o in (doc.get("variants") or {}).items()}
+    grid = doc.get("grid") or {}
+    if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
+        raise SweepError(f"{path}: grid: expected a mapping of key.sub: [values], got {grid!r}")
+    for combination in itertools.product(*grid.values()) if grid else ():
+        pairs = [f"{k}={flow(v)}" for k, v in zip(grid, combination)]
+        variants[",".join(pairs)] = pairs
+    if not variants:
+        raise SweepError(f"{path}: expected at least one variant (variants or grid)")
+    baseline = doc.get("baseline", next(iter(variants)))
+    if baseline not in variants:
+        raise SweepError(f"{path}: baseline {baseline!r} is not a variant; expected one of {', '.join(variants)}")
+    if not isinstance(doc.get("config"), str):
+        raise SweepError(f"{path}: config: expected the path of a config file")
+    return dict(name=name, config=doc["config"], seeds=seeds, overrides=overrides(doc.get("overrides") or [], "overrides"),
+                baseline=baseline, variants=variants, out=path.parent / name, ablation=False)
+
+
+def ablation(config: str, seeds: list) -> dict:
+    """One variant per AION component of the config switched off; `full` is the baseline."""
+    cfg = train.load_config(config)
+    stages = [dict(stage) for stage in cfg.schedule.stages]
+
+    def stages_without(*keys):
+        return f"schedule.stages={flow([{k: v for k, v in s.items() if k not in keys} for s in stages])}"
+
+    variants = {"full": []}
+    if cfg.mod.granularity != "none":  # a schedule that sets capacity needs routing: drop it too
+        variants["no-routing"] = ["mod.granularity=none"] + ([stages_without("capacity")] if stages else [])
+    if stages:
+        variants["no-annealing"] = ["schedule.stages=[]"]
+        for key in sorted({k for stage in stages for k in stage} - {"at"}):
+            variants[f"no-{key}"] = [stages_without(key)]
+    if len(variants) == 1:
+        raise SweepError(f"{config}: no AION component to switch off (mod.granularity none, no schedule.stages)")
+    name = f"ablate-{Path(config).stem}"
+    return dict(name=name, config=config, seeds=seeds, overrides=[], baseline="full", variants=variants,
+                out=ROOT / "sweeps" / name, ablation=True)
+
+
+class Sweep:
+    def __init__(self, spec: dict, extra: list, nproc: int):
+        self.spec, self.extra, self.nproc = spec, extra, nproc
+        self.fingerprints = {}
+        self.configs = {v: self.variant_config(v) for v in spec["variants"]}  # every variant checked up front
+        self.data_sha = {v: self.fingerprint(cfg) for v, cfg in self.configs.items()}
+        self.recipes = {v: train.recipe(train.flatten(dataclasses.asdict(cfg)), self.data_sha[v])
+                        for v, cfg in self.configs.items()}
+        self.stop_signal, self.child = None, None
+
+    def overrides(self, variant):
+        return [*self.spec["overrides"], *self.spec["variants"][variant], *self.extra]
+
+    def variant_config(self, variant):
+        try:
+            return train.load_config(self.spec["config"], self.overrides(variant))
+        except (train.ConfigError, OSError) as e:
+            raise SweepError(f"sweep {self.spec['name']}, variant {variant}: {e}") from None
+
+    def fingerprint(self, cfg):
+        """The data fingerprint train.py will record (read once per data source)."""
+        key = (cfg.data.source, cfg.data.path, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.val_fraction)
+        if key not in self.fingerprints:
+            self.fingerprints[key] = train.open_data(cfg)[3]
+        return self.fingerprints[key]
+
+    def rows(self, variant, statuses=("ok",)):
+        """This sweep's ledger rows of the variant's current recipe."""
+        return [r for r in ledger.read(self.configs[variant].ledger.path)
+                if r.get("sweep") == self.spec["name"] and r.get("variant") == variant
+                and r.get("recipe") == self.recipes[variant] and r.get("status") in statuses]
+
+    def checkpoint(self, variant, seed) -> Path:
+        return Path(self.configs[variant].run.out_dir) / "sweeps" / self.spec["name"] / f"{variant}-seed{seed}.pt"
+
+    def command(self, variant, seed):
+        ckpt = self.checkpoint(variant, seed)
+        launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}"]
+                    if self.nproc > 1 else [sys.executable])
+        cmd = [*launcher, str(ROOT / "train.py"), "--config", self.spec["config"], *self.overrides(variant),
+               f"run.seed={seed}", f"ledger.sweep={self.spec['name']}", f"ledger.variant={variant}",
+               f"checkpoint.path={ckpt}"]
+        # An interrupted run resumes, unless its checkpoint is of another recipe (the variant was changed).
+        if ckpt.exists() and train.recipe(train.flatten(train.load_checkpoint(ckpt)["config"]),
+                                          self.data_sha[variant]) == self.recipes[variant]:
+            cmd.append(f"checkpoint.resume={ckpt}")
+        return cmd
+
+    def on_signal(self, signum, frame):
+        self.stop_signal = signum  # the child got it too when it came from the terminal; a second one is harmless
+        if self.child and self.child.poll() is None:
+            self.child.send_signal(signum)
+
+    def run(self, max_runs=0) -> int:
+        name, seeds = self.spec["name"], self.spec["seeds"]
+        pairs = [(v, s) for s in seeds for v in self.spec["variants"]]  # seed-major: arms alternate in time
+        done = {(r["variant"], int(r["seed"])) for v in self.spec["variants"] for r in self.rows(v, DONE)}
+        todo = [p for p in pairs if p not in done]
+        if max_runs:
+            todo = todo[:max_runs]
+        print(f"sweep:{name} variants:{len(self.spec['variants'])} seeds:{len(seeds)} runs:{len(pairs)} "
+              f"done_before:{len(pairs) - len([p for p in pairs if p not in done])} to_run_now:{len(todo)}", flush=True)
+        handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        start, failed, walls = time.time(), [], []
+        try:
+            for i, (variant, seed) in enumerate(todo):
+                if self.stop_signal is not None:
+                    break
+                per_run = sum(walls) / len(walls) if walls else self.configs[variant].budget.seconds + 60
+                left = per_run * (len(todo) - i)
+                print(f"sweep:{name} run {i + 1}/{len(todo)} variant:{variant} seed:{seed} "
+                      f"elapsed:{(time.time() - start) / 60:.1f}min left:~{left / 60:.0f}min"
+                      f"{'' if walls else ' (estimate: budget + 60 s per run)'}", flush=True)
+                t0 = time.time()
+                self.child = subprocess.Popen(self.command(variant, seed))
+                code = self.child.wait()
+                walls.append(time.time() - t0)
+                if code not in (0, 1):  # 1: a diverged or failed run, which has its row
+                    failed.append(f"{variant} seed {seed} (exit {code})")
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        if self.stop_signal is not None:
+            print(f"sweep:{name} stopped by signal {self.stop_signal}; run the same command to resume", flush=True)
+            return 128 + self.stop_signal
+        self.report()
+        if failed:
+            print(f"sweep:{name} runs that did not finish: {', '.join(failed)}", file=sys.stderr)
+        return 1 if failed else 0
+
+    def report(self):
+        """The verdict table (printed and written to <out>/verdict.md) and the plots beside it."""
+        spec, base = self.spec, self.spec["baseline"]
+        arms = {v: self.rows(v) for v in spec["variants"]}
+        header = ["variant", "recipe", "n", "val_bpb mean", "sd", "Δ val_bpb", "95% CI", "p", "verdict",
+                  "seeds/arm", "tokens/s", "Δ tokens/s", "p", "verdict"]
+        lines = [header]
+        for variant, rows in arms.items():
+            cells = [variant, self.recipes[variant], str(len(rows))]
+            if not rows:
+                lines.append(cells + ["-"] * (len(header) - 3))
+                continue
+            bpb = [float(r["val_bpb"]) for r in rows]
+            cells += [f"{sum(bpb) / len(bpb):.4f}", f"{statistics.stdev(bpb):.4f}" if len(bpb) > 1 else "-"]
+            if variant == base or not arms[base]:
+                lines.append(cells + [("baseline" if variant == base else "no baseline runs")] + [""] * 4
+                             + [f"{sum(float(r['tokens_per_s']) for r in rows) / len(rows):.0f}", "", "", ""])
+                continue
+            a, b = (rows, arms[base]) if spec["ablation"] else (arms[base], rows)
+            (bpb_v, tps_v) = (ledger.verdict([float(r[c]) for r in a], [float(r[c]) for r in b], higher)
+                              for c, higher in ledger.METRICS)
+            seeds = "-" if bpb_v["seeds"] is None else str(bpb_v["seeds"])
+            lines.append(cells + [f"{bpb_v['diff']:+.4f}", f"[{bpb_v['low']:+.4f}, {bpb_v['high']:+.4f}]",
+                                  f"{bpb_v['p']:.3g}", bpb_v["verdict"], seeds,
+                                  f"{sum(float(r['tokens_per_s']) for r in rows) / len(rows):.0f}",
+                                  f"{tps_v['diff']:+.0f}", f"{tps_v['p']:.3g}", tps_v["verdict"]])
+        if spec["ablation"]:
+            title = (f"Ablation of {spec['config']}: the full system (B) against it without each component (A); "
+                     f"Δ = full - without, negative val_bpb = the component helps; keep = the component earns its place")
+        else:
+            title = f"Sweep {spec['name']} ({spec['config']}): each variant (B) against {base} (A); Δ = B - A"
+        print(title)
+        print(ledger._table(lines))
+        spec["out"].mkdir(parents=True, exist_ok=True)
+        text = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        text += ["| " + " | ".join(cells) + " |" for cells in lines[1:]]
+        text += ["", f"Welch's t-test (scipy); keep/revert need p < {ledger.ALPHA}; seeds/arm: runs per arm that detect "
+                 f"a val_bpb difference of this size at this spread with power {ledger.POWER}."]
+        (spec["out"] / "verdict.md").write_text("\n".join(text) + "\n")
+        ran = {v: rows for v, rows in arms.items() if rows}
+        if ran:
+            ledger.plot_variants(ran, spec["out"] / "variants.png", f"sweep {spec['name']}")
+            runs_dir = self.configs[base].run.out_dir
+            ledger.plot_curves(ran, spec["out"] / "curves.png", runs_dir)
+        print(f"sweep:{spec['name']} verdict:{spec['out'] / 'verdict.md'} plots:{spec['out']}/variants.png, curves.png")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweep", nargs="?", help="a sweep YAML file")
+    parser.add_argument("--ablate", metavar="CONFIG", help="derive the variants from this config instead")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1337, 7], help="--ablate: the seeds (default 1337 7)")
+    parser.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun --nproc_per_node)")
+    parser.add_argument("--max-runs", type=int, default=0, help="run at most this many runs now (0 = all)")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="for every run, after the variant's")
+    args = parser.parse_args(argv)
+    if args.sweep and "=" in args.sweep:  # only overrides given: argparse put the first in `sweep`
+        args.overrides.insert(0, args.sweep)
+        args.sweep = None
+    if bool(args.sweep) == bool(args.ablate):
+        parser.error("give a sweep file or --ablate CONFIG (not both)")
+    try:
+        spec = ablation(args.ablate, args.seeds) if args.ablate else load_sweep(Path(args.sweep))
+        sweep = Sweep(spec, args.overrides, args.nproc)
+    except (SweepError, train.ConfigError, train.data.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return sweep.run(args.max_runs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The experiment workflow: recipes, arms and verdicts, learning curves, sweeps (kill and resume),
+ablations and plots."""
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ledger
+import sweep
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.yaml"
+
+
+def perturbed(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 2 + 1
+    if isinstance(value, str):
+        return value + "x"
+    return tuple(value) + (1,)
+
+
+def test_recipe_ignores_exactly_the_fields_that_do_not_change_learning():
+    flat = train.flatten(dataclasses.asdict(train.load_config(SMOKE)))
+    assert train.RECIPE_IGNORED <= set(flat)  # no stale names
+    base = train.recipe(flat, "data-a")
+    for key, value in flat.items():
+        changed = train.recipe({**flat, key: perturbed(value)}, "data-a") != base
+        assert changed == (key not in train.RECIPE_IGNORED), key
+    assert train.recipe(flat, "data-b") != base  # other data, other recipe
+
+
+def test_verdict_on_synthetic_arms():
+    win = ledger.verdict([1.50, 1.51, 1.49, 1.505], [1.40, 1.41, 1.39, 1.395], higher_is_better=False)
+    assert win["verdict"] == "keep" and win["p"] < 0.001
+    assert win["diff"] == pytest.approx(-0.1025) and win["low"] < -0.1025 < win["high"] < 0
+    loss = ledger.verdict([1.40, 1.41, 1.39, 1.395], [1.50, 1.51, 1.49, 1.505], higher_is_better=False)
+    assert loss["verdict"] == "revert" and loss["p"] == pytest.approx(win["p"])
+    noise = ledger.verdict([1.50, 1.52, 1.48], [1.51, 1.50, 1.52], higher_is_better=False)
+    assert noise["verdict"] == "inconclusive" and noise["p"] > 0.3 and noise["low"] < 0 < noise["high"]
+    assert noise["seeds"] > 3  # more seeds would be needed to tell a difference this small
+    faster = ledger.verdict([100.0, 101.0, 99.0], [120.0, 121.0, 119.0], higher_is_better=True)
+    assert faster["verdict"] == "keep"
+    single = ledger.verdict([1.5], [1.4], higher_is_better=False)
+    assert single["verdict"] == "inconclusive" and math.isnan(single["p"])
+    # The textbook case: an effect of one standard deviation needs 17 runs per arm for 80 % power.
+    assert ledger.seeds_needed(1.0, 1.0) == 17 and ledger.seeds_needed(0.0, 1.0) is None
+
+
+def test_arms_are_named_by_recipe_variant_config_run_id_or_notes():
+    rows = [dict(run_id=f"cpu-{i}", config="configs/cpu.yaml", recipe="r1" if i < 2 else "r2", sweep="s",
+                 variant="v" if i < 2 else "w", notes="tag-a" if i % 2 else "", status="ok", val_bpb="1.5")
+            for i in range(4)]
+    rows.append(dict(rows[0], run_id="cpu-9", status="failed", val_bpb=""))
+    assert ledger.arm(rows, "r2") == ("recipe", rows[2:4])
+    assert ledger.arm(rows, "s/v") == ("sweep/variant", rows[:2])
+    assert ledger.arm(rows, "cpu")[0] == "config" and len(ledger.arm(rows, "configs/cpu.yaml")[1]) == 4
+    assert ledger.arm(rows, "cpu-3") == ("run id prefix", [rows[3]])
+    assert ledger.arm(rows, "tag-a") == ("notes tag", [rows[1], rows[3]])
+    with pytest.raises(ledger.LedgerError, match="no ok run"):
+        ledger.arm(rows, "cpu-9")  # failed runs belong to no arm
+
+
+def smoke_args(tmp_path, *extra):
+    return [f"data.path={ROOT / 'data' / 'builtin'}", f"ledger.path={tmp_path / 'ledger.csv'}",
+            f"run.out_dir={tmp_path / 'runs'}", "budget.seconds=600", *extra]
+
+
+def test_a_run_writes_its_learning_curve(tmp_path, builtin_1024):
+    args = smoke_args(tmp_path, "eval.every_seconds=3600", "eval.curve_tokens=512", "budget.max_steps=6")
+    assert train.main(["--config", str(SMOKE), *args]) == 0
+    (row,) = ledger.read(tmp_path / "ledger.csv")
+    records = ledger.read_metrics(tmp_path / "runs", row["run_id"])
+    kinds = [r["kind"] for r in records]
+    assert kinds == ["curve", "train", "train", "train", "final"]  # step 0, every log_every=2 steps, the end
+    assert [r["step"] for r in records if r["kind"] == "train"] == [2, 4, 6]
+    assert records[1]["tokens"] == 2 * 512 and all(math.isfinite(r["loss"]) for r in records[1:4])
+    assert records[-1]["val_bpb"] == pytest.approx(float(row["val_bpb"]))
+    assert 0 < records[0]["val_bpb"] and "curve_evals=1" in row["notes"]
+    assert row["recipe"] == train.recipe(train.flatten(dataclasses.asdict(train.load_config(SMOKE, args))),
+                                         row["data_sha"])
+
+
+def test_sweep_killed_after_its_first_run_resumes_with_the_missing_three(tmp_path, builtin_1024):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(f"name: tiny\nconfig: {SMOKE}\nseeds: [1, 2]\nbaseline: narrow\n"
+                    f"overrides: [budget.max_steps=3, eval.tokens=1024, eval.every_seconds=3600, eval.curve_tokens=256]\n"
+                    f"variants:\n  narrow: []\n  wide: [model.mlp_mult=3]\n")
+    command = [sys.executable, str(ROOT / "sweep.py"), str(spec), *smoke_args(tmp_path)]
+    first = subprocess.Popen(command, cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    while len(ledger.read(tmp_path / "ledger.csv")) < 1:
+        assert first.poll() is None, first.stdout.read()
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGINT)  # Ctrl-C: to the sweep and its running train.py
+    out = first.communicate(timeout=300)[0]
+    assert first.returncode == 128 + signal.SIGINT, out
+    before = [r for r in ledger.read(tmp_path / "ledger.csv") if r["status"] == "ok"]
+    assert len(before) == 1, out
+
+    second = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "done_before:1 to_run_now:3" in second.stdout
+    rows = [r for r in ledger.read(tmp_path / "ledger.csv") if r["status"] == "ok"]
+    assert len(rows) == 4
+    assert sorted((r["variant"], r["seed"]) for r in rows) == [("narrow", "1"), ("narrow", "2"), ("wide", "1"),
+                                                                ("wide", "2")]
+    assert len({r["recipe"] for r in rows}) == 2 and {r["sweep"] for r in rows} == {"tiny"}
+    verdict = (tmp_path / "tiny" / "verdict.md").read_text()
+    assert "| wide |" in verdict and "| narrow |" in verdict
+    for plot in ("variants.png", "curves.png"):
+        assert (tmp_path / "tiny" / plot).read_bytes()[:4] == b"\x89PNG"
+    rows_before = len(ledger.read(tmp_path / "ledger.csv"))
+    third = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "to_run_now:0" in third.stdout and len(ledger.read(tmp_path / "ledger.csv")) == rows_before
+
+
+def test_ablation_switches_each_component_off(builtin_1024):
+    spec = sweep.ablation(str(ROOT / "configs" / "aion.yaml"), [1])
+    assert list(spec["variants"]) == ["full", "no-routing", "no-annealing", "no-depth", "no-mlp_hidden", "no-seq_len"]
+    configs = sweep.Sweep(spec, [f"data.path={ROOT / 'data' / 'builtin'}"], nproc=1)
+    assert len(set(configs.recipes.values())) == len(spec["variants"])
+    resolved = {v: train.resolve_stages(cfg) for v, cfg in configs.configs.items()}
+    full = resolved["full"]
+    assert [s.depth for s in full] == [2, 3, 4] and len(resolved["no-annealing"]) == 1
+    assert [s.depth for s in resolved["no-depth"]] == [4, 4, 4]
+    assert [s.seq_len for s in resolved["no-depth"]] == [s.seq_len for s in full]
+    assert [s.seq_len for s in resolved["no-seq_len"]] == [256, 256, 256]
+    assert configs.configs["no-routing"].mod.granularity == "none"
+    with pytest.raises(sweep.SweepError, match="no AION component"):
+        sweep.ablation(str(SMOKE), [1])
+
+
+def test_plot_command_writes_pngs(tmp_path):
+    runs = tmp_path / "runs"
+    rows = []
+    for i, variant in enumerate(["a", "a", "b", "b"]):
+        run_id = f"run-{i}"
+        (runs / run_id).mkdir(parents=True)
+        records = [dict(kind="train", step=s, train_s=s * 1.0, tokens=s * 100, stage=0, loss=5 - s * 0.1 - i * 0.01)
+                   for s in range(1, 6)]
+        records += [dict(kind="curve", step=s, train_s=s * 1.0, tokens=s * 100, stage=0, val_bpb=3 - s * 0.1)
+                    for s in (0, 3)]
+        (runs / run_id / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        rows.append(dict(time="t", run_id=run_id, config="c.yaml", status="ok", val_bpb=str(2.0 - i * 0.1),
+                         tokens_per_s="100", sweep="s", variant=variant, recipe=variant))
+    for row in rows:
+        ledger.append(tmp_path / "ledger.csv", row)
+    for args in (["curves", "s/a", "s/b"], ["variants", "s"]):
+        out = tmp_path / f"{args[0]}.png"
+        assert ledger.main(["plot", *args, "--out", str(out), "--runs-dir", str(runs),
+                            "--path", str(tmp_path / "ledger.csv")]) == 0
+        assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
