@@ -126,7 +126,9 @@ def test_resume_mid_schedule_restores_the_stage(tmp_path, builtin_1024):
     resumed.loader.close()
     assert train.main([*smoke_args(tmp_path)[:2], *args, f"checkpoint.resume={checkpoint}"]) == 0
     (row,) = ledger.read(tmp_path / "ledger.csv")
-    assert [part.split("@")[0] for part in row["stages"].split()] == ["0", "1", "2"]
+    stages = [int(part.split("@")[0]) for part in row["stages"].split()]
+    # Back in stage 1, never in an earlier one; whether stage 2 is reached depends on the clock.
+    assert stages[:2] == [0, 1] and stages == sorted(set(stages))
 
 
 @pytest.mark.xla
