@@ -1,5 +1,5 @@
 """AION training script: config -> backend -> data -> model -> optimizers -> annealing stages ->
-timed loop -> eval -> ledger row and checkpoint. Read top to bottom; line cap 1200.
+timed loop -> eval -> ledger row and checkpoint. Read top to bottom; line cap 1400.
 
     python train.py --config configs/cpu.yaml [key.sub=value ...]
     torchrun --nproc_per_node N train.py --config ... (data parallel)
@@ -195,7 +195,8 @@ def one_of(*choices):
 
 CHECKS = {
     "run.name": (lambda v: v not in ("", ".", "..") and Path(v).name == v, "a plain name (no '/', not empty or '..')"),
-    "run.seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2**32) (numpy's seed range)"), "run.log_every": positive, "data.source": one_of("builtin", "shards"),
+    "run.seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2**32) (numpy's seed range)"),
+    "run.log_every": positive, "data.source": one_of("builtin", "shards"),
     "data.val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"), "data.seq_len": positive,
     "data.prefetch": non_negative, "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
     "model.n_layer": positive, "model.n_embd": positive, "model.n_head": positive, "model.n_kv_head": positive,
@@ -714,7 +715,9 @@ def load_checkpoint(path) -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a crafted pickle, a truncated or foreign file
-        reason = (str(e).strip().splitlines() or ["-"])[0]
+        # torch's weights_only message starts with how to load the file unsafely; the cause comes last
+        reason = ([line.strip() for line in str(e).splitlines() if line.strip() and "documentation" not in line]
+                  or ["-"])[-1]
         raise CheckpointError(f"checkpoint {path}: cannot be loaded as a train.py checkpoint "
                               f"({type(e).__name__}: {reason})") from None
     missing = [k for k in CHECKPOINT_KEYS if k not in ckpt] if isinstance(ckpt, dict) else CHECKPOINT_KEYS
@@ -1157,8 +1160,9 @@ class Trainer:
                  + f" active_params:{active_params(self.model)} flops_per_token:{self.stage_flops_per_token:.4g}")
 
     def finish(self, status, error, params, peak, git_commit, git_dirty) -> dict:
-        """Checkpoint (unless the run failed), evaluate (only if it is ok), ledger row. A
-        precompile run instead runs one eval batch and reports what it compiled."""
+        """Checkpoint (ok or interrupted runs), evaluate (ok runs), ledger row: always, also when
+        the save or the evaluation fails or a signal comes. A precompile run instead runs one
+        eval batch and reports what it compiled."""
         cfg, backend = self.cfg, self.backend
         backend.wait()
         compiles = backend.compile_stats()
