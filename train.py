@@ -1041,7 +1041,7 @@ class Trainer:
     def report(self, loss_total: torch.Tensor):
         """The log line: mean loss of the steps since the last one, from the device's running sum
         (never reset: a reset would make the next step a different XLA graph). The only read of
-        the step's outputs; also judges divergence (STUCK_AFTER)."""
+        the step's outputs."""
         total = loss_total.item()
         loss = (total - self.logged[0]) / (self.step_count - self.logged[1])
         self.logged = (total, self.step_count)
@@ -1050,7 +1050,13 @@ class Trainer:
                  f"tokens_per_s:{throughput(self.step_ms, self.cfg.optim.batch_tokens):.0f} "
                  f"train_s:{self.train_s:.1f} p:{self.train_s / budget:.3f} "
                  f"lr_scale:{lr_scale(self.train_s / budget, self.cfg.optim):.3f} epoch:{self.loader.epoch}")
-        uniform, progress = math.log(self.cfg.model.vocab_size), self.train_s / budget
+        self.last_loss = loss
+        self.judge(loss)
+
+    def judge(self, loss: float):
+        """diverged (the reason) for a non-finite logged loss, or one still at or above a uniform
+        guess past warmup and STUCK_AFTER of the budget."""
+        uniform, progress = math.log(self.cfg.model.vocab_size), self.train_s / self.cfg.budget.seconds
         if not math.isfinite(loss):
             self.diverged = f"non-finite training loss by step {self.step_count}"
         elif loss >= uniform and progress >= max(self.cfg.optim.warmup, STUCK_AFTER):
@@ -1138,8 +1144,11 @@ class Trainer:
                         and self.train_s - last_checkpoint >= cfg.checkpoint.every_seconds):
                     self.save()
                     last_checkpoint = self.train_s
-            if self.step_count > self.logged[1] and not self.precompile and not self.diverged:
-                self.report(loss_total)
+            if not self.precompile and not self.diverged:
+                if self.step_count > self.logged[1]:
+                    self.report(loss_total)
+                elif self.step_count > start_step:
+                    self.judge(self.last_loss)  # at the progress reached since that log line
             if self.diverged:
                 status, error = "diverged", self.diverged
         except Exception as e:
