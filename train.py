@@ -947,11 +947,12 @@ class Trainer:
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
 
     def save(self):
-        start = time.perf_counter()
-        if not all(torch.isfinite(t).all() for t in self.model_state().values() if t.is_floating_point()):
+        start, state = time.perf_counter(), self.state()
+        # Checked on the host copy: on XLA a check on the device would compile graphs of its own.
+        if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
             self.log(f"checkpoint:{self.checkpoint_path} skipped: non-finite parameters (the last one is kept)")
             return
-        save_checkpoint(self.checkpoint_path, self.state())
+        save_checkpoint(self.checkpoint_path, state)
         self.log(f"checkpoint:{self.checkpoint_path} save_s:{time.perf_counter() - start:.2f}")
 
     def log(self, line: str):
