@@ -789,7 +789,8 @@ def check_memory(cfg: Config, backend: Backend):
 
 
 FINITE_CHECK_STEPS = 16  # off the CPU a non-finite loss stops the run within min(run.log_every, this) steps
-STUCK_AFTER = 0.25  # a logged loss still >= ln(vocab_size) past this share of the budget (and warmup): diverged
+STUCK_AFTER = 0.25  # a logged loss still >= ln(vocab_size) past this share of the budget (and warmup)
+STUCK_MIN_STEPS = 10  # and after this many steps (a run's first steps may start at a late p): diverged
 
 
 class Trainer:
@@ -1056,11 +1057,11 @@ class Trainer:
 
     def judge(self, loss: float):
         """diverged (the reason) for a non-finite logged loss, or one still at or above a uniform
-        guess past warmup and STUCK_AFTER of the budget."""
+        guess past warmup, STUCK_AFTER of the budget and STUCK_MIN_STEPS steps."""
         uniform, progress = math.log(self.cfg.model.vocab_size), self.train_s / self.cfg.budget.seconds
         if not math.isfinite(loss):
             self.diverged = f"non-finite training loss by step {self.step_count}"
-        elif loss >= uniform and progress >= max(self.cfg.optim.warmup, STUCK_AFTER):
+        elif loss >= uniform and progress >= max(self.cfg.optim.warmup, STUCK_AFTER) and self.step_count >= STUCK_MIN_STEPS:
             self.diverged = (f"training loss {loss:.4f} >= ln(model.vocab_size) = {uniform:.4f} (a uniform guess) "
                              f"at p={progress:.3f}")
 
