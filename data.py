@@ -186,6 +186,13 @@ def train_tokenizer(texts, path, vocab_size):
     os.replace(tmp, path)
 
 
+def sentencepiece_model(path):
+    try:
+        return spm.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError) as e:  # sentencepiece's error for a garbled or foreign file
+        raise DataError(f"{path}: not a sentencepiece model ({str(e).strip()}), expected a tokenizer .model file") from None
+
+
 class ByteTable:
     """UTF-8 bytes each target token decodes to, so val_bpb's denominator is computed on the
     device from (x, y) alone: bytes(y[t]) = base_bytes[y] + (has_space[y] & ~is_boundary[x]).
@@ -197,7 +204,7 @@ class ByteTable:
     our tokenizers (no dummy prefix) keep every "▁", so has_space is all False for them."""
 
     def __init__(self, tokenizer_path):
-        sp = spm.SentencePieceProcessor(model_file=str(tokenizer_path))
+        sp = sentencepiece_model(tokenizer_path)
         self.vocab_size = n = sp.vocab_size()
         pieces = [sp.id_to_piece(v) for v in range(n)]
         boundary = [sp.is_control(v) or sp.is_unknown(v) or sp.is_unused(v) for v in range(n)]
@@ -267,7 +274,7 @@ def _encode_split(sp, docs, out_dir, split, progress, keep=False):
 def _load_tokenizer(path, vocab_size):
     if not Path(path).is_file():
         raise DataError(f"{path}: no such tokenizer file, expected a sentencepiece .model")
-    sp = spm.SentencePieceProcessor(model_file=str(path))
+    sp = sentencepiece_model(path)
     if sp.vocab_size() != vocab_size:
         raise DataError(f"{path}: tokenizer has {sp.vocab_size()} tokens, expected vocab_size {vocab_size}")
     if sp.bos_id() < 0:

@@ -6,6 +6,7 @@ train.py calls append(path, row) at the end of every run; people read the ledger
     python ledger.py verdict ARM_A ARM_B [--path ledger.csv]
     python ledger.py plot curves ARM [ARM ...] --out curves.png [--runs-dir runs]
     python ledger.py plot variants SWEEP --out variants.png
+    python ledger.py migrate PATH   (an older schema -> PATH's name with .migrated.csv, beside it)
 where a run id may be abbreviated to a unique prefix, and an arm is a set of ok runs named by a
 recipe, SWEEP/VARIANT, a config name, a run id prefix or a notes tag (see `arm`). The verdict uses
 scipy and the plots matplotlib, imported only there; the rest is standard library.
@@ -80,13 +81,10 @@ def append(path, row):
                 f.seek(0)
                 header = next(csv.reader([f.readline().decode()]), [])
                 if header != COLUMNS:
-                    missing = [c for c in COLUMNS if c not in header]
-                    extra = [c for c in header if c not in COLUMNS]
-                    detail = (f"missing: {', '.join(missing) or '-'}; "
-                              f"unexpected: {', '.join(extra) or '-'}")
-                    if not missing and not extra:
-                        detail = "same columns in a different order"
-                    raise LedgerError(f"{path}: header differs from ledger.COLUMNS ({detail})")
+                    raise header_error(path, header)
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":  # a row torn by a full disk or a kill: ours starts on a line of its own
+                    line = "\n" + line
             f.write(line.encode())
             f.flush()
             os.fsync(f.fileno())
@@ -94,12 +92,77 @@ def append(path, row):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def read(path):
-    """All rows as dicts of strings (empty cells are ""); a missing ledger has no rows."""
+def header_error(path, header):
+    missing = [c for c in COLUMNS if c not in header]
+    extra = [c for c in header if c not in COLUMNS]
+    detail = f"missing: {', '.join(missing) or '-'}; unexpected: {', '.join(extra) or '-'}"
+    if not missing and not extra:
+        detail = "same columns in a different order"
+    return LedgerError(f"{path}: header differs from ledger.COLUMNS ({detail}); an older ledger: run "
+                       f"`python ledger.py migrate {path}` to write a migrated copy beside it")
+
+
+def check_header(path):
+    """Raises LedgerError unless the ledger is missing, empty or has the header COLUMNS."""
+    if os.path.exists(path) and os.path.getsize(path):
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), [])
+        if header != COLUMNS:
+            raise header_error(path, header)
+
+
+def read_checked(path):
+    """-> (rows, problems): the well-formed rows as dicts of strings (empty cells are ""), and one
+    message per torn or malformed row (wrong number of fields, unknown status) with its line number.
+    A missing ledger has no rows."""
     if not os.path.exists(path):
-        return []
+        return [], []
+    rows, problems = [], []
     with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+        reader = csv.reader(f)
+        header = next(reader, [])
+        while True:
+            line = reader.line_num + 1
+            try:
+                cells = next(reader)
+            except StopIteration:
+                break
+            except csv.Error as e:
+                problems.append(f"{path} line {line}: unreadable row ({e})")
+                break
+            row = dict(zip(header, cells))
+            if len(cells) != len(header):
+                problems.append(f"{path} line {line}: {len(cells)} fields, expected {len(header)} (a torn row?)")
+            elif "status" in row and row["status"] not in STATUSES:
+                problems.append(f"{path} line {line}: status {row['status']!r}, expected one of {', '.join(STATUSES)}")
+            else:
+                rows.append(row)
+    return rows, problems
+
+
+def read(path):
+    """The well-formed rows (see read_checked for the others)."""
+    return read_checked(path)[0]
+
+
+def migrate(path):
+    """Writes the ledger at `path` (an older schema) with the header COLUMNS and each row's cells
+    under their column names (new columns empty) to <name>.migrated.csv beside it; never touches
+    `path`. -> (the new file, problems of rows left out)."""
+    out = os.path.splitext(path)[0] + ".migrated.csv"
+    if os.path.exists(out):
+        raise LedgerError(f"{out} exists; move it away first")
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), [])
+    extra = [c for c in header if c not in COLUMNS]
+    if extra:
+        raise LedgerError(f"{path}: columns {', '.join(extra)} are not in ledger.COLUMNS; cannot migrate them")
+    rows, problems = read_checked(path)
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(_csv_line(COLUMNS) + "".join(_csv_line([row.get(c, "") for c in COLUMNS]) for row in rows))
+    os.replace(tmp, out)
+    return out, problems
 
 
 def _table(rows):
@@ -310,9 +373,23 @@ def main(argv=None):
     plot_parser.add_argument("--runs-dir", default="runs", help="where the runs' metrics.jsonl are (run.out_dir)")
     for sub in (show_parser, compare_parser, verdict_parser, plot_parser):
         sub.add_argument("--path", default=LEDGER, help="ledger CSV")
+    migrate_parser = commands.add_parser("migrate", help="an older ledger with the current columns, beside it")
+    migrate_parser.add_argument("path")
     args = parser.parse_args(argv)
 
-    rows = read(args.path)
+    if args.command == "migrate":
+        try:
+            out, problems = migrate(args.path)
+        except (LedgerError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for problem in problems:
+            print(f"warning: left out: {problem}", file=sys.stderr)
+        print(f"wrote {out}; check it, then replace {args.path} with it")
+        return 0
+    rows, problems = read_checked(args.path)
+    for problem in problems:
+        print(f"warning: {problem}", file=sys.stderr)
     if not rows:
         print(f"no runs in {args.path}", file=sys.stdout if args.command == "show" else sys.stderr)
         return 0 if args.command == "show" else 2

@@ -1,5 +1,5 @@
 """AION training script: config -> backend -> data -> model -> optimizers -> annealing stages ->
-timed loop -> eval -> ledger row and checkpoint. Read top to bottom; line cap 1200.
+timed loop -> eval -> ledger row and checkpoint. Read top to bottom; line cap 1400.
 
     python train.py --config configs/cpu.yaml [key.sub=value ...]
     torchrun --nproc_per_node N train.py --config ... (data parallel)
@@ -199,6 +199,8 @@ def one_of(*choices):
 
 
 CHECKS = {
+    "run.name": (lambda v: v not in ("", ".", "..") and Path(v).name == v, "a plain name (no '/', not empty or '..')"),
+    "run.seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2**32) (numpy's seed range)"),
     "run.log_every": positive, "data.source": one_of("builtin", "shards"),
     "data.val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"), "data.seq_len": positive,
     "data.prefetch": non_negative, "data.order": one_of(*data.ORDERS),
@@ -261,7 +263,10 @@ def apply_override(tree: dict, override: str) -> dict:
     key, eq, text = override.partition("=")
     if not eq or not key:
         raise ConfigError(f"override {override!r}: expected key.sub=value")
-    value = yaml.safe_load(text) if text else ""
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML ({e})") from None
     for part in reversed(key.split(".")):
         value = {part: value}
     return merge(tree, value)
@@ -270,9 +275,11 @@ def apply_override(tree: dict, override: str) -> dict:
 def coerce(value, typ, key):
     if typ is float and isinstance(value, (int, str)) and not isinstance(value, bool):
         try:
-            return float(value)  # YAML 1.1 reads 3e-4 as a string
+            value = float(value)  # YAML 1.1 reads 3e-4 as a string
         except ValueError:
             pass
+    if typ is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
     if typ is str and value is None:
         return ""
     if typ is int and isinstance(value, float) and value.is_integer():
@@ -699,18 +706,52 @@ def open_data(cfg: Config):
 # Checkpoints and the scorer's entry point.
 
 
+class CheckpointError(ValueError):
+    pass
+
+
+CHECKPOINT_KEYS = ("model", "optimizers", "loader", "step", "train_s", "compile_s", "run_id", "config",
+                   "timeline", "flops", "rng")
+
+
 def save_checkpoint(path: Path, state: dict):
-    """Atomic: a crash mid-write leaves the previous checkpoint intact."""
+    """Atomic and durable: the data reaches the disk before the rename, and the rename before we
+    return. A crash or a full disk mid-write leaves the previous checkpoint intact; a failed save
+    removes its temporary file (a kill -9 cannot: the next save overwrites it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def load_checkpoint(path) -> dict:
+    """weights_only: tensors and plain containers of primitives, so a crafted file cannot run code."""
     if not Path(path).is_file():
-        raise FileNotFoundError(f"checkpoint {path} not found")
-    return torch.load(path, map_location="cpu", weights_only=False)  # our own files: config, RNG states
+        raise CheckpointError(f"checkpoint {path} not found")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a crafted pickle, a truncated or foreign file
+        # torch's weights_only message starts with how to load the file unsafely; the cause comes last
+        reason = ([line.strip() for line in str(e).splitlines() if line.strip() and "documentation" not in line]
+                  or ["-"])[-1]
+        raise CheckpointError(f"checkpoint {path}: cannot be loaded as a train.py checkpoint "
+                              f"({type(e).__name__}: {reason})") from None
+    missing = [k for k in CHECKPOINT_KEYS if k not in ckpt] if isinstance(ckpt, dict) else CHECKPOINT_KEYS
+    if missing:
+        raise CheckpointError(f"checkpoint {path}: missing {', '.join(missing)}; not a train.py checkpoint")
+    return ckpt
 
 
 def load_for_eval(checkpoint_path, device) -> torch.nn.Module:
@@ -734,6 +775,52 @@ def git_state():
     return git("rev-parse", "--short=12", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!ledger.csv"))
 
 
+def check_writable(directory: Path, key: str):
+    """Stop before training if `directory` (made when training starts) could not be made or written."""
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{key}: {existing} is a file, expected a directory (to hold {directory})")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: {existing} is not writable (to hold {directory})")
+
+
+def check_memory(cfg: Config, backend: Backend):
+    """Refuse a run that cannot fit before allocating it. A rough estimate, in bytes: each
+    parameter 16 (fp32 weight, gradient, two optimizer moments; 20 with bf16 weights and fp32
+    masters), plus the activations autograd keeps for one micro-batch: 4 per value, per token
+    n_layer x (8 + 3 x mlp_mult) x n_embd (norm inputs, q/k/v, attention output, residual, MLP
+    hidden before and after its activation) and 4 x vocab_size (logits, softcap, log-softmax, its
+    gradient). Against MemAvailable of the host (CPU, XLA on CPU: times the processes on it) or
+    the free memory of the GPU; not checked on Neuron (no query)."""
+    m, tokens = cfg.model, cfg.optim.micro_batch * cfg.data.seq_len
+    if backend.kind == "cuda":
+        available, where = torch.cuda.mem_get_info(backend.device)[0], f"free on {backend.device}"
+    elif backend.on_trainium or backend.kind == "neuron" or not Path("/proc/meminfo").is_file():
+        return
+    else:
+        meminfo = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
+        available = int(meminfo["MemAvailable"].split()[0]) * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        where = "MemAvailable of the host, per process"
+    hidden, kv_dim = m.mlp_mult * m.n_embd, m.n_kv_head * (m.n_embd // m.n_head)
+    layer = 2 * m.n_embd * m.n_embd + 2 * m.n_embd * kv_dim + (3 if m.mlp == "swiglu" else 2) * m.n_embd * hidden
+    params = m.n_layer * layer + (1 if m.tie_embeddings else 2) * m.vocab_size * m.n_embd
+    activations = 4 * tokens * (m.n_layer * (8 + 3 * m.mlp_mult) * m.n_embd + 4 * m.vocab_size)
+    need = params * (20 if backend.bf16_weights else 16) + activations
+    if need > available:
+        raise ConfigError(f"model.n_layer={m.n_layer} model.n_embd={m.n_embd} model.mlp_mult={m.mlp_mult} "
+                          f"model.vocab_size={m.vocab_size} optim.micro_batch={cfg.optim.micro_batch} data.seq_len="
+                          f"{cfg.data.seq_len}: the run needs about {need / 2**30:.2f} GiB ({params:.3g} parameters, "
+                          f"{activations / 2**30:.2f} GiB activations) but {available / 2**30:.2f} GiB is available "
+                          f"({where}); expected a smaller model or micro-batch")
+
+
+FINITE_CHECK_STEPS = 16  # off the CPU a non-finite loss stops the run within min(run.log_every, this) steps
+STUCK_AFTER = 0.25  # a logged loss still >= ln(vocab_size) past this share of the budget (and warmup)
+STUCK_MIN_STEPS = 10  # and after this many steps (a run's first steps may start at a late p): diverged
+
+
 class Trainer:
     """Holds everything of one run; `train()` is the loop, `step()` one optimizer step."""
 
@@ -749,6 +836,7 @@ class Trainer:
                 raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume}: model differs from the checkpoint's ({diff})")
         self.backend = Backend(cfg.device)
         self.device, self.is_main, world = self.backend.device, self.backend.rank == 0, self.backend.world_size
+        check_memory(cfg, self.backend)
         rank_tokens = cfg.optim.micro_batch * cfg.data.seq_len * world
         if cfg.optim.batch_tokens % rank_tokens:
             raise ConfigError(f"optim.batch_tokens ({cfg.optim.batch_tokens}) must be a multiple of optim.micro_batch "
@@ -757,6 +845,13 @@ class Trainer:
         self.run_id = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
         self.run_dir = Path(cfg.run.out_dir) / self.run_id
         self.checkpoint_path = Path(cfg.checkpoint.path or self.run_dir / "checkpoint.pt")
+        # Whatever would otherwise fail after the budget is checked now.
+        check_writable(self.run_dir, "run.out_dir")
+        check_writable(self.checkpoint_path.parent, "checkpoint.path")
+        if self.checkpoint_path.is_dir():
+            raise ConfigError(f"checkpoint.path: {self.checkpoint_path} is a directory, expected a file path")
+        check_writable(Path(cfg.ledger.path).absolute().parent, "ledger.path")
+        ledger.check_header(cfg.ledger.path)
         # Under neuron_parallel_compile outputs are zeros: such a run only traces, like precompile.
         self.precompile = cfg.run.precompile or bool(os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY"))
 
@@ -769,6 +864,8 @@ class Trainer:
             raise data.DataError(f"tokenizer {tokenizer} has {self.bytes.vocab_size} tokens but "
                                  f"model.vocab_size is {cfg.model.vocab_size}")
         self.bytes = self.bytes.to(self.device)
+        next(data.val_batches(self.val_files, cfg.data.seq_len, cfg.eval.batch_size, cfg.model.vocab_size,
+                              max_tokens=cfg.eval.tokens), None)  # headers, token ids, at least one window
         self.stages = resolve_stages(cfg)
         self.loader, self.loader_state, self.data_wait_s = None, None, 0.0
 
@@ -784,7 +881,7 @@ class Trainer:
         if self.resumed:
             self.restore(self.resumed)
         self.enter_stage(self.stage_at(self.train_s / cfg.budget.seconds))
-        self.stop_signal, self.diverged, self.step_ms = None, False, []
+        self.stop_signal, self.diverged, self.step_ms = None, "", []  # diverged: the reason
         self.curve_s, self.curve_points = 0.0, 0
 
     # -- annealing stages ----------------------------------------------------------------------
@@ -850,7 +947,10 @@ class Trainer:
                      loader=self.loader_state, step=self.step_count, train_s=self.train_s,
                      compile_s=self.compile_s, run_id=self.run_id, config=dataclasses.asdict(self.cfg),
                      timeline=self.timeline, flops=self.flops,
-                     rng=dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
+                     # numpy's state as plain values: a checkpoint must load with weights_only=True
+                     rng=dict(torch=torch.get_rng_state(), numpy=[v.tolist() if isinstance(v, np.ndarray) else v
+                                                                  for v in np.random.get_state()],
+                              python=random.getstate(),
                               cuda=torch.cuda.get_rng_state_all() if self.backend.kind == "cuda" else None))
         return tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, state)
 
@@ -861,19 +961,28 @@ class Trainer:
                 if p in self.masters:
                     self.masters[p].copy_(ckpt["model"][name])
         for opt, state in zip(self.optimizers, ckpt["optimizers"]):
+            # The state (moments, buffers) carries on; hyperparameters are this run's config's.
+            settings = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
             opt.load_state_dict(state)
+            for group, setting in zip(opt.param_groups, settings):
+                group.update(setting)
         self.loader_state = ckpt["loader"]
         self.step_count, self.train_s, self.compile_s = ckpt["step"], ckpt["train_s"], ckpt["compile_s"]
         self.timeline, self.flops = ckpt["timeline"], ckpt["flops"]
         torch.set_rng_state(ckpt["rng"]["torch"])
-        np.random.set_state(ckpt["rng"]["numpy"])
+        name, keys, *rest = ckpt["rng"]["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
         random.setstate(ckpt["rng"]["python"])
         if ckpt["rng"]["cuda"] is not None and self.backend.kind == "cuda":
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
 
     def save(self):
-        start = time.perf_counter()
-        save_checkpoint(self.checkpoint_path, self.state())
+        start, state = time.perf_counter(), self.state()
+        # Checked on the host copy: on XLA a check on the device would compile graphs of its own.
+        if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
+            self.log(f"checkpoint:{self.checkpoint_path} skipped: non-finite parameters (the last one is kept)")
+            return
+        save_checkpoint(self.checkpoint_path, state)
         self.log(f"checkpoint:{self.checkpoint_path} save_s:{time.perf_counter() - start:.2f}")
 
     def log(self, line: str):
@@ -942,7 +1051,7 @@ class Trainer:
             nll += (token_nll.sum(1) * weight).sum().to(nll.dtype)
             counts += torch.stack([(self.bytes.target_bytes(x, y).sum(1) * weight).sum(), weight.sum() * seq_len])
             self.backend.mark_step()
-            if i + 1 == max_batches:
+            if i + 1 == max_batches or self.stop_signal is not None:  # a signal: finish() discards the result
                 break
         self.backend.all_reduce_([nll], mean=False)
         self.backend.all_reduce_([counts], mean=False)
@@ -973,7 +1082,23 @@ class Trainer:
         self.log(f"step:{self.step_count} loss:{loss:.4f} tokens_per_s:{tokens_per_s:.0f} train_s:{self.train_s:.1f} "
                  f"p:{self.train_s / budget:.3f} lr_scale:{scale:.3f} epoch:{self.loader.epoch}")
         self.metric("train", loss=loss, lr_scale=scale, tokens_per_s=tokens_per_s)
-        self.diverged = not math.isfinite(loss)
+        self.last_loss = loss
+        self.judge(loss)
+
+    def judge(self, loss: float):
+        """diverged (the reason) for a non-finite logged loss, or one still at or above a uniform
+        guess past warmup, STUCK_AFTER of the budget and STUCK_MIN_STEPS steps."""
+        uniform, progress = math.log(self.cfg.model.vocab_size), self.train_s / self.cfg.budget.seconds
+        if not math.isfinite(loss):
+            self.diverged = f"non-finite training loss by step {self.step_count}"
+        elif loss >= uniform and progress >= max(self.cfg.optim.warmup, STUCK_AFTER) and self.step_count >= STUCK_MIN_STEPS:
+            self.diverged = (f"training loss {loss:.4f} >= ln(model.vocab_size) = {uniform:.4f} (a uniform guess) "
+                             f"at p={progress:.3f}")
+
+    def check_finite(self, loss_total: torch.Tensor):
+        """Between log lines: the running loss sum is non-finite from the first non-finite step on."""
+        if not math.isfinite(loss_total.item()):
+            self.diverged = f"non-finite training loss by step {self.step_count}"
 
     def metric(self, kind: str, **values):
         """One record of the learning curve in metrics.jsonl: kind train (a log line), curve (the
@@ -990,6 +1115,8 @@ class Trainer:
         start = time.perf_counter()
         val_loss, val_bpb, _, _ = self.evaluate(self.cfg.eval.curve_tokens)
         seconds = time.perf_counter() - start
+        if self.stop_signal is not None:  # cut short by a signal: not a point of the curve; the loop stops next
+            return
         self.curve_s += seconds
         self.curve_points += 1
         self.log(f"curve step:{self.step_count} train_s:{self.train_s:.1f} val_loss:{val_loss:.4f} "
@@ -1030,6 +1157,8 @@ class Trainer:
         loss_total = torch.zeros((), dtype=backend.sum_dtype, device=self.device)
         self.logged = (0.0, start_step)  # (loss_total, step) at the last log line
         budget = cfg.budget.seconds
+        # Reading the loss is free on the CPU; elsewhere it is a host sync, so only every few steps.
+        check_every = 1 if backend.kind == "cpu" else min(cfg.run.log_every, FINITE_CHECK_STEPS)
         self.log_stage()
         try:
             while True:
@@ -1055,6 +1184,8 @@ class Trainer:
                 self.flops += self.stage_flops_per_token * cfg.optim.batch_tokens
                 if self.step_count % cfg.run.log_every == 0 and not self.precompile:
                     backend.on_values(self.report, loss_total)
+                elif self.step_count % check_every == 0 and not self.precompile:
+                    backend.on_values(self.check_finite, loss_total)
                 backend.mark_step()
                 self.inputs = self.fetch()
                 # Compile time is kept apart: all of the first step (compilation, CUDA kernel and
@@ -1069,23 +1200,27 @@ class Trainer:
                 if not compiling:
                     self.step_ms.append(elapsed * 1000)
                 if self.diverged:
-                    status = "diverged"
                     break
                 if (self.is_main and cfg.checkpoint.every_seconds and not self.precompile
                         and self.train_s - last_checkpoint >= cfg.checkpoint.every_seconds):
                     self.save()
                     last_checkpoint = self.train_s
-            if self.step_count > self.logged[1] and not self.precompile:
-                self.report(loss_total)
-                status = "diverged" if self.diverged else status
+            if not self.precompile and not self.diverged:
+                if self.step_count > self.logged[1]:
+                    self.report(loss_total)
+                elif self.step_count > start_step:
+                    self.judge(self.last_loss)  # at the progress reached since that log line
+            if self.diverged:
+                status, error = "diverged", self.diverged
         except Exception as e:
             status, error = "failed", f"{type(e).__name__}: {e}"
             raise
         finally:
-            for s, h in handlers.items():
-                signal.signal(s, h)
-            backend.wait()
-            summary = self.finish(status, error, params, peak, git_commit, git_dirty)
+            try:  # the handlers stay until the row is written: a signal now still leaves an interrupted row
+                summary = self.finish(status, error, params, peak, git_commit, git_dirty)
+            finally:
+                for s, h in handlers.items():
+                    signal.signal(s, h)
         return summary
 
     def log_stage(self):
@@ -1095,9 +1230,11 @@ class Trainer:
                  + f" active_params:{active_params(self.model)} flops_per_token:{self.stage_flops_per_token:.4g}")
 
     def finish(self, status, error, params, peak, git_commit, git_dirty) -> dict:
-        """Checkpoint (unless the run failed), evaluate (only if it is ok), ledger row. A
-        precompile run instead runs one eval batch and reports what it compiled."""
+        """Checkpoint (ok or interrupted runs), evaluate (ok runs), ledger row: always, also when
+        the save or the evaluation fails or a signal comes. A precompile run instead runs one
+        eval batch and reports what it compiled."""
         cfg, backend = self.cfg, self.backend
+        backend.wait()
         compiles = backend.compile_stats()
         if self.precompile:
             if status == "ok":
@@ -1112,16 +1249,22 @@ class Trainer:
                 self.metrics_file.close()
             return dict(status=status)
         tokens_per_s = throughput(self.step_ms, cfg.optim.batch_tokens)
-        if self.is_main and status != "failed" and self.step_count > 0:
-            self.save()  # before the evaluation, so a kill during it loses no training
-        val_loss = val_bpb = val_tokens = val_bytes = None
+        val_loss = val_bpb = val_tokens = val_bytes = failure = None
         eval_s = 0.0
-        if status == "ok":
-            start = time.perf_counter()
-            val_loss, val_bpb, val_tokens, val_bytes = self.evaluate(cfg.eval.tokens)
-            eval_s = time.perf_counter() - start
-            self.metric("final", eval_s=eval_s, val_loss=val_loss, val_bpb=val_bpb)
-            compiles = backend.compile_stats()
+        try:
+            if self.is_main and status in ("ok", "interrupted") and self.step_count > 0:
+                self.save()  # before the evaluation, so a kill during it loses no training
+            if status == "ok" and self.stop_signal is None:
+                start = time.perf_counter()
+                val_loss, val_bpb, val_tokens, val_bytes = self.evaluate(cfg.eval.tokens)
+                eval_s = time.perf_counter() - start
+                compiles = backend.compile_stats()
+            if status == "ok" and backend.agree(0.0, self.stop_signal is not None)[1]:  # during save or eval
+                status, val_loss, val_bpb, val_tokens, val_bytes = "interrupted", None, None, None, None
+            if val_bpb is not None:
+                self.metric("final", eval_s=eval_s, val_loss=val_loss, val_bpb=val_bpb)
+        except Exception as e:  # a full disk, a failing evaluation: the row still records the run
+            status, error, failure = "failed", f"{type(e).__name__}: {e}", e
         tokens = self.step_count * cfg.optim.batch_tokens
         fpt = self.flops / tokens if tokens else self.stage_flops_per_token  # token-weighted over stages
         notes = [cfg.ledger.notes] if cfg.ledger.notes else []
@@ -1160,6 +1303,8 @@ class Trainer:
                                            for k, v in row.items() if v not in (None, "") and k != "notes"))
             self.log_file.close()
             self.metrics_file.close()
+        if failure:
+            raise failure
         return row
 
 
@@ -1177,7 +1322,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         trainer = Trainer(cfg, args.config, args.overrides)
-    except (ConfigError, data.DataError, FileNotFoundError) as e:
+    except (ConfigError, data.DataError, CheckpointError, ledger.LedgerError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -222,4 +222,5 @@ def test_a_non_finite_loss_stops_the_run_as_diverged(tmp_path, builtin_1024, mon
     monkeypatch.setattr(train.GPT, "loss", lambda self, x, y, reduction="mean", micro_step=0: (self(x) * float("nan")).mean())
     assert train.main(["--config", str(SMOKE), *smoke_overrides(tmp_path)]) == 1
     (row,) = ledger.read(tmp_path / "ledger.csv")
-    assert row["status"] == "diverged" and row["steps"] == "2" and row["val_bpb"] == ""  # first log step
+    assert row["status"] == "diverged" and row["steps"] == "1" and row["val_bpb"] == ""  # read every step on the CPU
+    assert "non-finite training loss by step 1" in row["notes"]
