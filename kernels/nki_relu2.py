@@ -84,6 +84,6 @@ def _backward(grad, x):
 
 
 relu2 = NkiOp("nki_relu2", _forward, _backward,
-              forward_fake=torch.empty_like, backward_fake=lambda grad, x: torch.empty_like(x),
+              forward_fake=lambda x: torch.empty_like(x), backward_fake=lambda grad, x: torch.empty_like(x),
               forward_schema="(Tensor x) -> Tensor", backward_schema="(Tensor grad, Tensor x) -> Tensor",
               grad_args=(0,))

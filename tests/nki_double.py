@@ -276,8 +276,7 @@ def _from_hbm(tensor, as_torch):
 
 def jit(function):
     """Runs the kernel at once. Arguments: numpy arrays, CPU torch tensors (fp32, bf16, int32)
-    or Python scalars; outputs come back as torch tensors if any argument
-    was one, else as numpy arrays."""
+    or Python scalars; outputs come back as torch tensors if any argument was one, else numpy."""
 
     def run(*args):
         import torch
@@ -288,7 +287,6 @@ def jit(function):
             return tuple(_from_hbm(o, as_torch) for o in out)
         return _from_hbm(out, as_torch)
 
-    run.__wrapped__ = function
     return run
 
 
