@@ -27,8 +27,7 @@ from model import GPT  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 SMOKE = "configs/smoke.yaml"
-NO_BF16 = pytest.mark.skipif(not CUDA, reason="bfloat16 Triton kernels are checked on a GPU only (no CUDA device "
-                                               "here; the interpreter's numpy has no bfloat16)")
+NO_BF16 = pytest.mark.skipif(not CUDA, reason="bfloat16 Triton kernels are checked on a GPU only (no CUDA device here)")
 DTYPES = [pytest.param(torch.float32, id="fp32"),
           pytest.param(torch.bfloat16, id="bf16", marks=[pytest.mark.cuda, NO_BF16])]
 
