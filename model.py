@@ -1,6 +1,8 @@
 """GPT for AION: RMSNorm, rotary positions, grouped-query attention with QK-norm, ReLU^2 or
 SwiGLU MLP, optional tied embeddings, logit soft-cap, zero-initialised output projections, and
-optional Mixture-of-Depths routing of chosen layers by tile, layer or micro-batch.
+optional Mixture-of-Depths routing of chosen layers by tile, layer or micro-batch. The hot ops
+(the head with its loss, the RMSNorms, QK-norm with rotary, ReLU^2) are called through a
+kernels.Kernels (the config section `kernels`); the default is their plain-torch reference.
 
 Shapes in comments: B batch, T sequence, C = n_embd, H heads, K kv heads, D = C // H, V vocab,
 n = T // block_size tiles, k selected units. The model config is any object with the attributes
@@ -14,9 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-def rms_norm(x):
-    return F.rms_norm(x, (x.size(-1),))
+from kernels import REFERENCE
+from kernels.reference import rms_norm
 
 
 class Rotary(nn.Module):
@@ -25,17 +26,18 @@ class Rotary(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x, pos=None):  # x: (B, H, T, D), pos: (B, T) or None = 0..T-1 -> x rotated
+    def forward(self, x, pos=None):
+        """x: (B, H, T, D), pos: (B, T) or None = 0..T-1 -> cos, sin in x's dtype, (T, D/2) or
+        (B, 1, T, D/2): the rotation kernels.qk_norm_rope applies."""
         t = torch.arange(x.size(-2), device=x.device) if pos is None else pos[:, None]  # (T,) or (B, 1, T)
         freqs = t.float()[..., None] * self.inv_freq  # (T, D/2) or (B, 1, T, D/2)
-        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+        return freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, kernels):
         super().__init__()
+        self.kernels = kernels
         assert cfg.n_embd % cfg.n_head == 0 and cfg.n_head % cfg.n_kv_head == 0
         self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
         self.head_dim = cfg.n_embd // cfg.n_head
@@ -54,16 +56,17 @@ class Attention(nn.Module):
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k, v = self.c_kv(x).view(B, T, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, K, T, D)
-        q, k = self.rotary(rms_norm(q), pos), self.rotary(rms_norm(k), pos)
-        q = q * self.q_gain.to(q.dtype)[None, :, None, None]
+        cos, sin = self.rotary(q, pos)
+        q, k = self.kernels.qk_norm_rope(q, cos, sin, self.q_gain), self.kernels.qk_norm_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=self.n_kv_head != self.n_head)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, kernels):
         super().__init__()
+        self.kernels = kernels
         hidden = cfg.mlp_mult * cfg.n_embd
         self.hidden = hidden  # active hidden units: a static slice, set by GPT.set_active
         self.swiglu = cfg.mlp == "swiglu"
@@ -78,21 +81,22 @@ class MLP(nn.Module):
             w_in = w_in if n == full else torch.cat((w_in[:n], w_in[full:full + n]))
             gate, up = F.linear(x, w_in).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, w_out)
-        return F.linear(F.relu(F.linear(x, w_in[:n])).square(), w_out)
+        return F.linear(self.kernels.relu2(F.linear(x, w_in[:n])), w_out)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, kernels):
         super().__init__()
-        self.attn, self.mlp = Attention(cfg), MLP(cfg)
+        self.kernels = kernels
+        self.attn, self.mlp = Attention(cfg, kernels), MLP(cfg, kernels)
         # Residual-branch scales (the annealing schedule moves them); buffers, so a new value is
         # graph data on XLA, not a new graph. Not saved: the schedule sets them from progress.
         self.register_buffer("attn_scale", torch.ones(()), persistent=False)
         self.register_buffer("mlp_scale", torch.ones(()), persistent=False)
 
     def forward(self, x, pos=None, mask=None):
-        x = x + self.attn_scale * self.attn(rms_norm(x), pos, mask)
-        return x + self.mlp_scale * self.mlp(rms_norm(x))
+        x = x + self.attn_scale * self.attn(self.kernels.rmsnorm(x), pos, mask)
+        return x + self.mlp_scale * self.mlp(self.kernels.rmsnorm(x))
 
 
 def units_selected(capacity: float, n: int) -> int:
@@ -130,7 +134,7 @@ class TileRouter(nn.Module):
         bs = self.block_size
         assert T % bs == 0 and 1 <= k <= T // bs, (T, bs, k)
         ctx = torch.cat((x.new_zeros(B, 1, C), x[:, bs - 1::bs][:, :-1]), dim=1)  # (B, n, C)
-        h = rms_norm(ctx)
+        h = rms_norm(ctx)  # n = T / block_size rows: the reference, not a hot op
         score = self.router(h).squeeze(-1)  # (B, n)
         logit = self.predictor(h.detach()).squeeze(-1)  # (B, n)
         top = score.topk(k, dim=-1).indices  # (B, k)
@@ -185,18 +189,20 @@ class GPT(nn.Module):
       the routed layers (data order is shuffled, so this split is data-independent);
       evaluation takes the deep path for all.
     Skipped work is not computed. Shapes depend only on B, T and capacity (set_capacity).
+    kernels: a kernels.Kernels (kernels.resolve); None = the reference (kernels.REFERENCE).
     """
 
-    def __init__(self, cfg, mod=None):
+    def __init__(self, cfg, mod=None, kernels=None):
         super().__init__()
         self.cfg = cfg
+        self.kernels = REFERENCE if kernels is None else kernels
         self.granularity = "none" if mod is None else mod.granularity
         assert self.granularity in ("none", "block", "layer", "microbatch"), self.granularity
         self.routed = () if self.granularity == "none" else tuple(mod.layers)
         assert all(0 <= i < cfg.n_layer for i in self.routed), (self.routed, cfg.n_layer)
         self.aux_weight = 0.0 if mod is None else mod.aux_weight
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, self.kernels) for _ in range(cfg.n_layer))
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         block_routed = self.routed if self.granularity == "block" else ()
         self.routers = nn.ModuleDict({str(i): TileRouter(cfg.n_embd, mod.block_size) for i in block_routed})
@@ -247,10 +253,11 @@ class GPT(nn.Module):
         s = micro_step + position
         return units_selected(self.capacity, s + 1) > units_selected(self.capacity, s)
 
-    def forward(self, idx, micro_step: int = 0):
-        """idx: (B, T) int64 -> logits (B, T, V) fp32. In eval mode position t sees only
-        idx[:, :t+1]. micro_step: index of the micro-batch in the optimizer step (layer routing)."""
-        x = rms_norm(self.wte(idx))  # (B, T, C)
+    def hidden(self, idx, micro_step: int = 0):
+        """idx: (B, T) int64 -> the final-normed residual stream (B, T, C), the head's input. In
+        eval mode position t sees only idx[:, :t+1]. micro_step: index of the micro-batch in the
+        optimizer step (layer routing)."""
+        x = self.kernels.rmsnorm(self.wte(idx))  # (B, T, C)
         aux = torch.zeros((), device=x.device)
         for i in self.active:
             block = self.blocks[i]
@@ -269,18 +276,28 @@ class GPT(nn.Module):
             else:
                 x = block(x)
         self.aux_loss = self.aux_weight * aux
-        x = rms_norm(x)
-        logits = F.linear(x, self.wte.weight if self.lm_head is None else self.lm_head.weight).float()
+        return self.kernels.rmsnorm(x)
+
+    @property
+    def head_weight(self):
+        return self.wte.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, idx, micro_step: int = 0):
+        """idx: (B, T) int64 -> logits (B, T, V) fp32, from the reference head (load_for_eval's
+        contract); training and evaluation use loss(), the fused head."""
+        logits = F.linear(self.hidden(idx, micro_step), self.head_weight).float()
         cap = self.cfg.logit_softcap
         if cap > 0:
             logits = cap * torch.tanh(logits / cap)  # bounded logits keep early training stable
         return logits
 
     def loss(self, idx, targets, reduction="mean", micro_step: int = 0):
-        """Cross-entropy in nats of targets (B, T); reduction="sum" for evaluation sums.
+        """Cross-entropy in nats of targets (B, T): reduction "mean", "sum", or "none" (B*T,) fp32.
         The routers' auxiliary loss is separate: self.aux_loss after this call."""
-        logits = self(idx, micro_step)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction=reduction)
+        assert reduction in ("mean", "sum", "none"), reduction
+        x = self.hidden(idx, micro_step)
+        nll = self.kernels.head(x.flatten(0, 1), self.head_weight, targets.flatten(), self.cfg.logit_softcap)
+        return nll.mean() if reduction == "mean" else nll.sum() if reduction == "sum" else nll
 
     def reset_routing_stats(self):
         # New host-made zeros, not zero_(): on XLA they enter the next graph as data, so the first

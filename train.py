@@ -36,6 +36,7 @@ import yaml
 from torch.utils._pytree import tree_map
 
 import data
+import kernels
 import ledger
 from model import GPT, active_params, flops_per_token, param_count
 
@@ -156,6 +157,14 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class KernelsConfig:
+    head: str
+    rmsnorm: str
+    qk_norm_rope: str
+    relu2: str
+
+
+@dataclass(frozen=True)
 class LedgerConfig:
     path: str
     notes: str
@@ -181,6 +190,7 @@ class Config:
     budget: BudgetConfig
     eval: EvalConfig
     device: DeviceConfig
+    kernels: KernelsConfig
     ledger: LedgerConfig
     checkpoint: CheckpointConfig
 
@@ -221,6 +231,7 @@ CHECKS = {
     "device.type": one_of("auto", "cpu", "cuda", "xla", "neuron"),
     "device.dtype": one_of("auto", "float32", "bfloat16"), "device.bf16": one_of("autocast", "weights"),
     "checkpoint.every_seconds": non_negative,
+    **{f"kernels.{op}": one_of("auto", *kernels.IMPLS) for op in kernels.OPS},
 }
 
 
@@ -835,6 +846,10 @@ class Trainer:
             if diff:
                 raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume}: model differs from the checkpoint's ({diff})")
         self.backend = Backend(cfg.device)
+        try:
+            self.kernels = kernels.resolve(dataclasses.asdict(cfg.kernels), self.backend.kind, self.backend.on_trainium)
+        except kernels.KernelError as e:
+            raise ConfigError(str(e)) from None
         self.device, self.is_main, world = self.backend.device, self.backend.rank == 0, self.backend.world_size
         check_memory(cfg, self.backend)
         rank_tokens = cfg.optim.micro_batch * cfg.data.seq_len * world
@@ -869,7 +884,7 @@ class Trainer:
         self.stages = resolve_stages(cfg)
         self.loader, self.loader_state, self.data_wait_s = None, None, 0.0
 
-        self.model = GPT(cfg.model, cfg.mod).to(self.device)
+        self.model = GPT(cfg.model, cfg.mod, self.kernels).to(self.device)
         self.masters = {}  # bf16 weights: parameter -> its fp32 master copy, which the optimizers update
         if self.backend.bf16_weights:
             self.model.to(torch.bfloat16)
@@ -1139,7 +1154,8 @@ class Trainer:
         self.log(f"device:{self.device} dtype:{str(backend.dtype).removeprefix('torch.')} "
                  f"bf16_weights:{backend.bf16_weights} world_size:{backend.world_size} params:{params} "
                  f"peak_flops:{peak[0]:.4g} ({peak[1]}) accum_steps:{self.accum_steps} "
-                 f"data:{self.data_sha} resumed_from:{self.resumed['run_id'] if self.resumed else '-'}")
+                 f"data:{self.data_sha} resumed_from:{self.resumed['run_id'] if self.resumed else '-'} "
+                 f"kernels:{self.kernels}")
 
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         status, error, start_step = "ok", "", self.step_count
