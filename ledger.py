@@ -17,7 +17,7 @@ COLUMNS = [
     "world_size", "seed", "data_sha", "params", "active_params", "budget_s", "train_s",
     "compile_s", "data_wait_s", "eval_s", "steps", "tokens", "tokens_per_s", "step_ms_p50",
     "flops_per_token", "mfu", "val_loss", "val_bpb", "val_tokens", "val_bytes", "xla_compiles",
-    "peak_mem_mb", "stages", "status", "notes",
+    "peak_mem_mb", "stages", "status", "profile", "notes",
 ]
 STATUSES = ("ok", "diverged", "failed", "interrupted")
 # Columns where `compare` prints a B - A delta; ids, hashes and seeds look numeric but are not.
