@@ -79,10 +79,10 @@ def table(header: list, ops: dict, steps: int, step_s: float, times: str, graphs
               for name, us in sorted((graphs or {}).items(), key=lambda kv: -kv[1])]
     lines = [f"# {line}" for line in lines]
     lines.append(f"# {len(rows)} ops, {per_step(sum(op[1] for _, op in rows))[1]:.1%} of the step inside them")
-    lines.append(f"{'op':<48} {'calls/step':>10} {'self ms/step':>12} {'share':>7}  "
+    lines.append(f"{'op':<56} {'calls/step':>10} {'self ms/step':>12} {'share':>7}  "
                  f"{'graphs' if times == 'xla' else 'input shapes'} (most time first)")
     for name, (calls, self_us, details) in rows:
         ms, share = per_step(self_us)
-        lines.append(f"{name:<48} {calls / steps:>10.1f} {ms:>12.3f} {share:>7.1%}  "
+        lines.append(f"{name:<56} {calls / steps:>10.1f} {ms:>12.3f} {share:>7.1%}  "
                      + "; ".join(detail for detail, _ in details.most_common(DETAILS_SHOWN)))
     return "\n".join(lines) + "\n", [(name, f"{per_step(op[1])[1]:.1%}") for name, op in rows[:3]]
