@@ -11,6 +11,7 @@ step count; only this file touches devices, precision, signals and the file syst
 import argparse
 import dataclasses
 import difflib
+import gzip
 import hashlib
 import json
 import math
@@ -37,6 +38,7 @@ from torch.utils._pytree import tree_map
 
 import data
 import kernels
+import kernels.profile
 import ledger
 from model import GPT, active_params, flops_per_token, param_count
 
@@ -54,6 +56,7 @@ class RunConfig:
     out_dir: str
     log_every: int
     precompile: bool
+    profile_steps: int
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,7 @@ def one_of(*choices):
 CHECKS = {
     "run.name": (lambda v: v not in ("", ".", "..") and Path(v).name == v, "a plain name (no '/', not empty or '..')"),
     "run.seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2**32) (numpy's seed range)"),
-    "run.log_every": positive, "data.source": one_of("builtin", "shards"),
+    "run.log_every": positive, "run.profile_steps": non_negative, "data.source": one_of("builtin", "shards"),
     "data.val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"), "data.seq_len": positive,
     "data.prefetch": non_negative, "data.order": one_of(*data.ORDERS),
     "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
@@ -684,6 +687,37 @@ class Backend:
         if self.kind == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2 ** 20
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # host RSS; Linux reports KiB
+
+    def start_profile(self, run_dir: Path):
+        """Record the ops of the next steps: torch.profiler on cpu, cuda and neuron; on XLA the
+        torch-xla profiler, whose trace holds the compiled graphs' ops as they execute."""
+        if self.xla:
+            import torch_xla.debug.profiler as xp
+            xp.start_trace(str(run_dir / "xla_trace"))  # also a TensorBoard / XProf log dir
+            return xp
+        activity, extra = torch.profiler.ProfilerActivity, {}
+        activities = [activity.CPU] + ([activity.CUDA] if self.kind == "cuda" else [])
+        if self.kind == "neuron":  # as in the Neuron docs, "Capture PyTorch profiles with Neuron Explorer"; not
+            # run here (no Neuron SDK). RUNTIME: every execution; DEVICE mode would reserve ~5 GB of HBM.
+            from torch_neuronx.profiling import NeuronConfig, NeuronProfiler, ProfileMode
+            config = NeuronConfig(modes=[ProfileMode.RUNTIME], profile_output_dir=str(run_dir / "neuron_profile"))
+            activities.append(activity.PrivateUse1)
+            extra = dict(experimental_config=config, on_trace_ready=NeuronProfiler(config).export_trace)
+        prof = torch.profiler.profile(activities=activities, record_shapes=True, **extra)
+        prof.start()
+        return prof
+
+    def stop_profile(self, prof, run_dir: Path) -> tuple:
+        """-> (ops as kernels.profile reads them, time per graph or None); writes run_dir/trace.json."""
+        if self.xla:
+            prof.stop_trace()
+            trace = next((run_dir / "xla_trace").rglob("*.trace.json.gz"), None)
+            events = json.load(gzip.open(trace))["traceEvents"] if trace else []
+            (run_dir / "trace.json").write_text(json.dumps({"traceEvents": events}))
+            return kernels.profile.xla_ops(events)
+        prof.stop()
+        prof.export_chrome_trace(str(run_dir / "trace.json"))
+        return kernels.profile.torch_ops(prof.key_averages(group_by_input_shape=True), self.kind in ("cuda", "neuron")), None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1175,6 +1209,11 @@ class Trainer:
         budget = cfg.budget.seconds
         # Reading the loss is free on the CPU; elsewhere it is a host sync, so only every few steps.
         check_every = 1 if backend.kind == "cpu" else min(cfg.run.log_every, FINITE_CHECK_STEPS)
+        # Profiled: the steps after the warm-up step and the first steady step (on XLA the one that
+        # compiles the steady graph), with their time kept out of the budget and the step times.
+        profile_first = start_step + 2
+        profile_end = profile_first + (0 if self.precompile else cfg.run.profile_steps)
+        prof, profile_s, self.profile_top = None, 0.0, ""
         self.log_stage()
         try:
             while True:
@@ -1194,6 +1233,14 @@ class Trainer:
                     self.log_stage()
                 if scaled:
                     self.model.set_residual_scales(*self.residual_scales(progress))
+                profiled = profile_first <= self.step_count < profile_end
+                if profiled and self.step_count == profile_first:
+                    backend.wait()  # the profile holds the profiled steps' work and nothing before
+                    if self.is_main:
+                        try:
+                            prof = backend.start_profile(self.run_dir)
+                        except Exception as e:  # a profile that cannot be taken does not stop the run
+                            prof = e
                 t0, compiled_s = time.perf_counter(), backend.compile_seconds()
                 loss_total += self.step(progress)
                 self.timeline[-1][2] += 1
@@ -1207,14 +1254,19 @@ class Trainer:
                 # Compile time is kept apart: all of the first step (compilation, CUDA kernel and
                 # allocator warm-up), and on XLA whatever any later step spent compiling a new graph.
                 warmup = self.step_count == start_step + 1
-                if warmup:
+                if warmup or profiled:
                     backend.wait()
                 elapsed = time.perf_counter() - t0
                 compiling = elapsed if warmup else backend.compile_seconds() - compiled_s
                 self.compile_s += compiling
-                self.train_s += elapsed if cfg.budget.count_compile else elapsed - compiling
-                if not compiling:
+                if profiled:
+                    profile_s += elapsed
+                else:
+                    self.train_s += elapsed if cfg.budget.count_compile else elapsed - compiling
+                if not (compiling or profiled):
                     self.step_ms.append(elapsed * 1000)
+                if prof is not None and self.step_count == profile_end:
+                    self.write_profile(prof, profile_first, profile_s)
                 if self.diverged:
                     break
                 if (self.is_main and cfg.checkpoint.every_seconds and not self.precompile
@@ -1232,12 +1284,32 @@ class Trainer:
             status, error = "failed", f"{type(e).__name__}: {e}"
             raise
         finally:
+            if prof is not None and self.step_count < profile_end:  # the run ended inside the profiled steps
+                self.write_profile(prof, profile_first, profile_s)
             try:  # the handlers stay until the row is written: a signal now still leaves an interrupted row
                 summary = self.finish(status, error, params, peak, git_commit, git_dirty)
             finally:
                 for s, h in handlers.items():
                     signal.signal(s, h)
         return summary
+
+    def write_profile(self, prof, first: int, seconds: float):
+        """runs/<id>/profile.txt (and trace.json) of the steps profiled since step `first`; the top
+        three ops go into the ledger. A profile that cannot be taken says so in the file."""
+        steps, path, kind = self.step_count - first, self.run_dir / "profile.txt", self.backend.kind
+        header = [f"run {self.run_id}: {kind} on {self.device}, dtype {str(self.backend.dtype).removeprefix('torch.')}, "
+                  f"rank 0 of {self.backend.world_size}", f"{steps} steps profiled from step {first + 1} (after the warm-up "
+                  f"and the first steady step): {seconds / max(steps, 1) * 1000:.1f} ms per step, kept out of train_s"]
+        try:
+            if isinstance(prof, Exception):  # from start_profile
+                raise prof
+            ops, graphs = self.backend.stop_profile(prof, self.run_dir)
+            text, top = kernels.profile.table(header, ops, steps, seconds, kind, graphs)
+        except Exception as e:
+            text, top = "".join(f"# {line}\n" for line in header + [f"no profile: {type(e).__name__}: {e}"]), []
+        path.write_text(text)
+        self.profile_top = ", ".join(f"{name} {share}" for name, share in top)
+        self.log(f"profile:{path} top:" + (",".join(f"{name.replace(' ', '_')}={share}" for name, share in top) or "-"))
 
     def log_stage(self):
         stage = self.stages[self.stage]
@@ -1308,7 +1380,7 @@ class Trainer:
             step_ms_p50=statistics.median(self.step_ms) if self.step_ms else None, flops_per_token=fpt,
             mfu=fpt * tokens_per_s / (peak[0] * backend.world_size), val_loss=val_loss, val_bpb=val_bpb,
             val_tokens=val_tokens, val_bytes=val_bytes, xla_compiles=compiles[0] if compiles else None,
-            peak_mem_mb=backend.peak_memory_mb(), status=status, notes="; ".join(notes),
+            peak_mem_mb=backend.peak_memory_mb(), status=status, notes="; ".join(notes), profile=self.profile_top,
             recipe=recipe(flatten(dataclasses.asdict(cfg)), self.data_sha), sweep=cfg.ledger.sweep,
             variant=cfg.ledger.variant,
             stages=" ".join(f"{i}@{start:.1f}s:{steps}" for i, start, steps in self.timeline))
@@ -1316,7 +1388,7 @@ class Trainer:
         if self.is_main:
             ledger.append(cfg.ledger.path, row)
             self.log("summary " + " ".join(f"{k}:{v:.6g}" if isinstance(v, float) else f"{k}:{v}"
-                                           for k, v in row.items() if v not in (None, "") and k != "notes"))
+                                           for k, v in row.items() if v not in (None, "") and k not in ("notes", "profile")))
             self.log_file.close()
             self.metrics_file.close()
         if failure:
