@@ -23,8 +23,8 @@ whose checkpoint exists resumes from it. Ctrl-C (SIGINT) or SIGTERM: the running
 checkpoint and writes an `interrupted` row, then the sweep stops; run the same command to resume.
 
 --ablate derives the variants from a config: `full`, and one per AION component switched off:
-routing (mod.granularity=none), annealing (no schedule), and each schedule key (removed from
-every stage). The table then reads as each component's contribution: the full system (B) against
+routing (mod.granularity=none), annealing (no schedule), each schedule key (removed from every
+stage), and each kernel that is not the reference on the run's backend (kernels.<op>=torch). The table then reads as each component's contribution: the full system (B) against
 the system without it (A).
 """
 import argparse
@@ -38,8 +38,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
+import kernels
 import ledger
 import train
 
@@ -118,8 +120,14 @@ def ablation(config: str, seeds: list) -> dict:
         variants["no-annealing"] = ["schedule.stages=[]"]
         for key in sorted({k for stage in stages for k in stage} - {"at"}):
             variants[f"no-{key}"] = [stages_without(key)]
+    kind = cfg.device.type if cfg.device.type != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    platforms = ("xla-cpu", "xla-neuron") if kind == "xla" else (kind,)  # which XLA device is known only at run time
+    for op, choice in dataclasses.asdict(cfg.kernels).items():
+        if choice not in ("auto", "torch") or (choice == "auto" and any(kernels.AUTO[p][op] != "torch" for p in platforms)):
+            variants[f"kernel-{op}-torch"] = [f"kernels.{op}=torch"]
     if len(variants) == 1:
-        raise SweepError(f"{config}: no AION component to switch off (mod.granularity none, no schedule.stages)")
+        raise SweepError(f"{config}: no AION component to switch off (mod.granularity none, no schedule.stages, "
+                         f"every kernel the reference)")
     name = f"ablate-{Path(config).stem}"
     return dict(name=name, config=config, seeds=seeds, overrides=[], baseline="full", variants=variants,
                 out=ROOT / "sweeps" / name, ablation=True)

@@ -424,10 +424,11 @@ def flatten(tree: dict, prefix="") -> dict:
 
 
 # Config keys that cannot change what a run learns: seeds, names, paths, notes and tags, and logging,
-# checkpointing and evaluation cadence (their time is kept out of the budget). Runs whose configs
+# checkpointing, profiling and evaluation cadence (their time is kept out of the budget). Runs whose configs
 # differ only here are repeats of one recipe: an arm of an experiment.
 RECIPE_IGNORED = frozenset([
-    "run.name", "run.seed", "run.out_dir", "run.log_every", "run.precompile", "data.path", "data.tokenizer",
+    "run.name", "run.seed", "run.out_dir", "run.log_every", "run.precompile", "run.profile_steps", "data.path",
+    "data.tokenizer",
     "data.prefetch", "eval.batch_size", "eval.every_seconds", "eval.curve_tokens", "device.compile_cache",
     "ledger.path", "ledger.notes", "ledger.sweep", "ledger.variant", "checkpoint.path", "checkpoint.every_seconds",
     "checkpoint.resume",

@@ -125,7 +125,7 @@ def test_sweep_killed_after_its_first_run_resumes_with_the_missing_three(tmp_pat
     assert "to_run_now:0" in third.stdout and len(ledger.read(tmp_path / "ledger.csv")) == rows_before
 
 
-def test_ablation_switches_each_component_off(builtin_1024):
+def test_ablation_switches_each_component_off(tmp_path, builtin_1024):
     spec = sweep.ablation(str(ROOT / "configs" / "aion.yaml"), [1])
     assert list(spec["variants"]) == ["full", "no-routing", "no-annealing", "no-depth", "no-mlp_hidden", "no-seq_len"]
     configs = sweep.Sweep(spec, [f"data.path={ROOT / 'data' / 'builtin'}"], nproc=1)
@@ -139,6 +139,9 @@ def test_ablation_switches_each_component_off(builtin_1024):
     assert configs.configs["no-routing"].mod.granularity == "none"
     with pytest.raises(sweep.SweepError, match="no AION component"):
         sweep.ablation(str(SMOKE), [1])
+    kernel = tmp_path / "kernel.yaml"
+    kernel.write_text(f"base: {SMOKE}\nkernels: {{relu2: triton}}\n")  # a choice the ablation switches back
+    assert sweep.ablation(str(kernel), [1])["variants"] == {"full": [], "kernel-relu2-torch": ["kernels.relu2=torch"]}
 
 
 def test_plot_command_writes_pngs(tmp_path):
