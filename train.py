@@ -1305,7 +1305,7 @@ class Trainer:
             if isinstance(prof, Exception):  # from start_profile
                 raise prof
             ops, graphs = self.backend.stop_profile(prof, self.run_dir)
-            text, top = kernels.profile.table(header, ops, steps, seconds, kind, graphs)
+            text, top = kernels.profile.table(header, ops, steps, seconds / max(steps, 1), kind, graphs)
         except Exception as e:
             text, top = "".join(f"# {line}\n" for line in header + [f"no profile: {type(e).__name__}: {e}"]), []
         path.write_text(text)

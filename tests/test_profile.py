@@ -46,6 +46,9 @@ def test_smoke_run_writes_an_op_profile(tmp_path, builtin_1024, capsys):
     rows = op_rows(text)
     assert rows and all(ms > 0 for _, _, ms, _ in rows)
     assert sum(share for *_, share in rows) <= 100.0
+    # A share is the op's self time per step over the wall time of one profiled step.
+    ms_per_step = float(re.search(r"([\d.]+) ms per step", text)[1])
+    assert rows[0][3] == pytest.approx(100 * rows[0][2] / ms_per_step, abs=0.1)
     assert [share for *_, share in rows] == sorted((share for *_, share in rows), reverse=True)
     # The top three ops of the table, with their shares, are the ledger's profile column.
     (ledger_row,) = ledger.read(tmp_path / "ledger.csv")
