@@ -175,10 +175,15 @@ class Sweep:
         cmd = [*launcher, str(ROOT / "train.py"), "--config", self.spec["config"], *self.overrides(variant),
                f"run.seed={seed}", f"ledger.sweep={self.spec['name']}", f"ledger.variant={variant}",
                f"checkpoint.path={ckpt}"]
-        # An interrupted run resumes, unless its checkpoint is of another recipe (the variant was changed).
-        if ckpt.exists() and train.recipe(train.flatten(train.load_checkpoint(ckpt)["config"]),
-                                          self.data_sha[variant]) == self.recipes[variant]:
-            cmd.append(f"checkpoint.resume={ckpt}")
+        # An interrupted run resumes, unless its checkpoint is of another recipe (the variant was
+        # changed) or unreadable (torn by a kill): then the run starts afresh and overwrites it.
+        if ckpt.exists():
+            try:
+                saved = train.recipe(train.flatten(train.load_checkpoint(ckpt)["config"]), self.data_sha[variant])
+            except train.CheckpointError:
+                saved = None
+            if saved == self.recipes[variant]:
+                cmd.append(f"checkpoint.resume={ckpt}")
         return cmd
 
     def on_signal(self, signum, frame):

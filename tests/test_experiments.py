@@ -164,3 +164,22 @@ def test_plot_command_writes_pngs(tmp_path):
         assert ledger.main(["plot", *args, "--out", str(out), "--runs-dir", str(runs),
                             "--path", str(tmp_path / "ledger.csv")]) == 0
         assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_sweep_resumes_only_from_a_readable_checkpoint_of_the_variants_recipe(tmp_path, builtin_1024):
+    spec = dict(name="t", config=str(SMOKE), seeds=[1], overrides=[], baseline="a", variants={"a": []},
+                out=tmp_path / "t", ablation=False)
+    runs = sweep.Sweep(spec, smoke_args(tmp_path), nproc=1)
+    ckpt = runs.checkpoint("a", 1)
+    ckpt.parent.mkdir(parents=True)
+
+    def resumes():
+        return f"checkpoint.resume={ckpt}" in runs.command("a", 1)
+
+    ckpt.write_bytes(b"torn by a kill")
+    assert not resumes()
+    for extra, expected in (("model.mlp_mult=3", False), ("run.seed=1", True)):  # another recipe; the same one
+        trainer = train.Trainer(train.load_config(SMOKE, smoke_args(tmp_path, extra)))
+        train.save_checkpoint(ckpt, trainer.state())
+        trainer.loader.close()
+        assert resumes() == expected
