@@ -427,11 +427,10 @@ def flatten(tree: dict, prefix="") -> dict:
 # checkpointing, profiling and evaluation cadence (their time is kept out of the budget). Runs whose configs
 # differ only here are repeats of one recipe: an arm of an experiment.
 RECIPE_IGNORED = frozenset([
-    "run.name", "run.seed", "run.out_dir", "run.log_every", "run.precompile", "run.profile_steps", "data.path",
-    "data.tokenizer",
-    "data.prefetch", "eval.batch_size", "eval.every_seconds", "eval.curve_tokens", "device.compile_cache",
-    "ledger.path", "ledger.notes", "ledger.sweep", "ledger.variant", "checkpoint.path", "checkpoint.every_seconds",
-    "checkpoint.resume",
+    "run.name", "run.seed", "run.out_dir", "run.log_every", "run.precompile", "run.profile_steps",
+    "data.path", "data.tokenizer", "data.prefetch", "eval.batch_size", "eval.every_seconds", "eval.curve_tokens",
+    "device.compile_cache", "ledger.path", "ledger.notes", "ledger.sweep", "ledger.variant", "checkpoint.path",
+    "checkpoint.every_seconds", "checkpoint.resume",
 ])
 
 
