@@ -156,6 +156,7 @@ class DeviceConfig:
     type: str
     dtype: str
     bf16: str
+    compile: bool
     compile_cache: str
 
 
@@ -506,6 +507,11 @@ def make_optimizers(model: GPT, o: OptimConfig, masters: dict):
     return optimizers
 
 
+def rotation_period(mod: ModConfig, capacity: float) -> int:
+    """Layer routing: micro-batches after which the rotation repeats (capacity a/P: P); 1 otherwise."""
+    return Fraction(capacity).limit_denominator(1000).denominator if mod.granularity == "layer" else 1
+
+
 def lr_scale(p: float, o: OptimConfig) -> float:
     """LR multiplier at progress p in [0, 1]: linear warmup, constant, linear warmdown to lr_floor."""
     p = min(max(p, 0.0), 1.0)
@@ -589,6 +595,16 @@ class Backend:
                 dist.init_process_group({"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}[self.kind])
             # Host-side agreement (elapsed time, stop requests) goes over gloo, never through the device.
             self.control = dist.group.WORLD if self.kind == "cpu" else dist.new_group(backend="gloo")
+
+    def compile(self, fn):
+        """device.compile: torch.compile(fn), inductor on cpu and cuda, the Neuron backend on the
+        native neuron device; on XLA fn as it is (the step is already one compiled graph)."""
+        if self.xla:
+            return fn
+        # Each annealing stage, capacity and train/eval mode is a graph of its own; past the
+        # default limit (8) torch would silently run the rest eagerly.
+        torch._dynamo.config.recompile_limit = 64
+        return torch.compile(fn, backend="neuron" if self.kind == "neuron" else "inductor")
 
     def autocast(self):
         if self.dtype == torch.float32 or self.bf16_weights:
@@ -924,6 +940,9 @@ class Trainer:
             self.model.to(torch.bfloat16)
             self.masters = {p: p.detach().float() for p in self.model.parameters()}
         self.optimizers = make_optimizers(self.model, cfg.optim, self.masters)
+        self.loss = self.backend.compile(self.model.loss) if cfg.device.compile else self.model.loss
+        self.compiled = ("off" if not cfg.device.compile else "ignored (xla: the step is one graph already)"
+                         if self.backend.xla else "neuron" if self.backend.kind == "neuron" else "inductor")
         self.step_count, self.train_s, self.compile_s = 0, 0.0, 0.0
         self.timeline = []  # [stage, train_s at its start, steps in it]
         self.flops = 0.0  # training FLOPs so far, by each stage's FLOPs per token
@@ -962,6 +981,7 @@ class Trainer:
             if self.loader_state is not None:
                 self.loader.load_state_dict(self.loader_state)  # before the batches fetched for the old shape
             self.inputs = self.fetch()
+        self.period = rotation_period(cfg.mod, stage.capacity)
         self.stage_flops_per_token = flops_per_token(cfg.model, stage.seq_len, dataclasses.replace(
             cfg.mod, capacity=stage.capacity), self.model.active, stage.mlp_hidden)
         if not self.timeline or self.stage != index:
@@ -1053,8 +1073,9 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for micro, (x, y) in enumerate(self.inputs):
             with self.backend.autocast():
-                # Layer routing picks layers by the micro-batch's index in the whole run.
-                loss = self.model.loss(x, y, micro_step=(self.step_count * self.accum_steps + micro))
+                # Layer routing picks layers by the micro-batch's index in the whole run, which
+                # matters only modulo the rotation period (so device.compile traces P graphs, not one per step).
+                loss = self.loss(x, y, micro_step=(self.step_count * self.accum_steps + micro) % self.period)
             ((loss + self.model.aux_loss) / self.accum_steps).backward()
             loss_sum += loss.detach()
         loss = loss_sum / self.accum_steps
@@ -1096,7 +1117,7 @@ class Trainer:
             x, y = (torch.cat([t, t[:1].expand(batch - rows, -1)]).to(self.device) for t in (x, y))
             weight = (torch.arange(batch) < rows).to(self.device)
             with self.backend.autocast():
-                token_nll = self.model.loss(x, y, reduction="none").view(batch, seq_len)
+                token_nll = self.loss(x, y, reduction="none").view(batch, seq_len)
             nll += (token_nll.sum(1) * weight).sum().to(nll.dtype)
             counts += torch.stack([(self.bytes.target_bytes(x, y).sum(1) * weight).sum(), weight.sum() * seq_len])
             self.backend.mark_step()
@@ -1189,16 +1210,14 @@ class Trainer:
                  f"bf16_weights:{backend.bf16_weights} world_size:{backend.world_size} params:{params} "
                  f"peak_flops:{peak[0]:.4g} ({peak[1]}) accum_steps:{self.accum_steps} "
                  f"data:{self.data_sha} resumed_from:{self.resumed['run_id'] if self.resumed else '-'} "
-                 f"kernels:{self.kernels}")
+                 f"kernels:{self.kernels} compile:{self.compiled}")
 
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         status, error, start_step = "ok", "", self.step_count
         # Precompile runs each stage's graphs: its first step (which may create optimizer state,
         # a graph of its own), then the steady step, which under layer routing has a graph per
         # phase of its rotation (period P micro-batches).
-        def period(capacity):
-            return Fraction(capacity).limit_denominator(1000).denominator if cfg.mod.granularity == "layer" else 1
-        plan = [i for i, stage in enumerate(self.stages) for _ in range(1 + period(stage.capacity))]
+        plan = [i for i, stage in enumerate(self.stages) for _ in range(1 + rotation_period(cfg.mod, stage.capacity))]
         max_steps = start_step + len(plan) if self.precompile else cfg.budget.max_steps
         scaled = any((stage.attn_scale, stage.mlp_scale) != (1.0, 1.0) for stage in self.stages)
         last_checkpoint = self.train_s
@@ -1253,7 +1272,8 @@ class Trainer:
                 self.inputs = self.fetch()
                 # Compile time is kept apart: all of the first step (compilation, CUDA kernel and
                 # allocator warm-up), and on XLA whatever any later step spent compiling a new graph.
-                warmup = self.step_count == start_step + 1
+                # With device.compile, the first step of each stage compiles its graphs too.
+                warmup = self.step_count == start_step + 1 or (cfg.device.compile and self.timeline[-1][2] == 1)
                 if warmup or profiled:
                     backend.wait()
                 elapsed = time.perf_counter() - t0
