@@ -11,7 +11,7 @@ A sweep file (YAML):
     seeds: [1337, 7]                   # every variant runs once per seed
     overrides: [budget.seconds=600]    # optional: for every variant, before its own
     baseline: contiguous               # optional (default: the first variant): what the others are judged against
-    variants:                          # name: its overrides
+    variants:                          # name: its overrides, or {config: another config file, overrides: [...]}
       contiguous: [data.order=contiguous]
       shuffle: [data.order=shuffle]
     grid:                              # optional: one more variant per combination, named key=value,...
@@ -24,7 +24,7 @@ checkpoint and writes an `interrupted` row, then the sweep stops; run the same c
 
 --ablate derives the variants from a config: `full`, and one per AION component switched off:
 routing (mod.granularity=none), annealing (no schedule), each schedule key (removed from every
-stage), and each kernel that is not the reference on the run's backend (kernels.<op>=torch). The table then reads as each component's contribution: the full system (B) against
+stage), torch.compile (device.compile=false) when the config compiles, and each kernel that is not the reference on the run's backend (kernels.<op>=torch). The table then reads as each component's contribution: the full system (B) against
 the system without it (A).
 """
 import argparse
@@ -86,8 +86,15 @@ def load_sweep(path: Path) -> dict:
             raise SweepError(f"{path}: {key}: expected a list of key.sub=value strings, got {value!r}")
         return value
 
-    variants = {plain_name(v, f"{path}: variants"): overrides(o, f"variants.{v}")
-                for v, o in (doc.get("variants") or {}).items()}
+    variants, variant_configs = {}, {}
+    for v, value in (doc.get("variants") or {}).items():
+        v = plain_name(v, f"{path}: variants")
+        if isinstance(value, dict):  # {config: another config file, overrides: [...]}
+            if set(value) - {"config", "overrides"} or not isinstance(value.get("config"), str):
+                raise SweepError(f"{path}: variants.{v}: expected a list of overrides or a mapping with config "
+                                 f"(a config file) and optional overrides, got {value!r}")
+            variant_configs[v], value = value["config"], value.get("overrides") or []
+        variants[v] = overrides(value, f"variants.{v}")
     grid = doc.get("grid") or {}
     if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
         raise SweepError(f"{path}: grid: expected a mapping of key.sub: [values], got {grid!r}")
@@ -102,7 +109,8 @@ def load_sweep(path: Path) -> dict:
     if not isinstance(doc.get("config"), str):
         raise SweepError(f"{path}: config: expected the path of a config file")
     return dict(name=name, config=doc["config"], seeds=seeds, overrides=overrides(doc.get("overrides") or [], "overrides"),
-                baseline=baseline, variants=variants, out=path.parent / name, ablation=False)
+                baseline=baseline, variants=variants, variant_configs=variant_configs, out=path.parent / name,
+                ablation=False)
 
 
 def ablation(config: str, seeds: list) -> dict:
@@ -120,6 +128,8 @@ def ablation(config: str, seeds: list) -> dict:
         variants["no-annealing"] = ["schedule.stages=[]"]
         for key in sorted({k for stage in stages for k in stage} - {"at"}):
             variants[f"no-{key}"] = [stages_without(key)]
+    if cfg.device.compile:
+        variants["no-compile"] = ["device.compile=false"]
     kind = cfg.device.type if cfg.device.type != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     platforms = ("xla-cpu", "xla-neuron") if kind == "xla" else (kind,)  # which XLA device is known only at run time
     for op, choice in dataclasses.asdict(cfg.kernels).items():
@@ -130,7 +140,7 @@ def ablation(config: str, seeds: list) -> dict:
                          f"every kernel the reference)")
     name = f"ablate-{Path(config).stem}"
     return dict(name=name, config=config, seeds=seeds, overrides=[], baseline="full", variants=variants,
-                out=ROOT / "sweeps" / name, ablation=True)
+                variant_configs={}, out=ROOT / "sweeps" / name, ablation=True)
 
 
 class Sweep:
@@ -146,9 +156,12 @@ class Sweep:
     def overrides(self, variant):
         return [*self.spec["overrides"], *self.spec["variants"][variant], *self.extra]
 
+    def config_file(self, variant) -> str:
+        return self.spec["variant_configs"].get(variant, self.spec["config"])
+
     def variant_config(self, variant):
         try:
-            return train.load_config(self.spec["config"], self.overrides(variant))
+            return train.load_config(self.config_file(variant), self.overrides(variant))
         except (train.ConfigError, OSError) as e:
             raise SweepError(f"sweep {self.spec['name']}, variant {variant}: {e}") from None
 
@@ -172,7 +185,7 @@ class Sweep:
         ckpt = self.checkpoint(variant, seed)
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}"]
                     if self.nproc > 1 else [sys.executable])
-        cmd = [*launcher, str(ROOT / "train.py"), "--config", self.spec["config"], *self.overrides(variant),
+        cmd = [*launcher, str(ROOT / "train.py"), "--config", self.config_file(variant), *self.overrides(variant),
                f"run.seed={seed}", f"ledger.sweep={self.spec['name']}", f"ledger.variant={variant}",
                f"checkpoint.path={ckpt}"]
         # An interrupted run resumes, unless its checkpoint is of another recipe (the variant was

@@ -604,7 +604,8 @@ class Backend:
         # Each annealing stage, capacity and train/eval mode is a graph of its own; past the
         # default limit (8) torch would silently run the rest eagerly.
         torch._dynamo.config.recompile_limit = 64
-        return torch.compile(fn, backend="neuron" if self.kind == "neuron" else "inductor")
+        # Static shapes and Python ints, like XLA: a new shape (a stage) is a new graph, not a dynamic one.
+        return torch.compile(fn, backend="neuron" if self.kind == "neuron" else "inductor", dynamic=False)
 
     def autocast(self):
         if self.dtype == torch.float32 or self.bf16_weights:
@@ -1386,6 +1387,8 @@ class Trainer:
             notes.append(f"curve_evals={self.curve_points} curve_eval_s={self.curve_s:.1f}")
         if compiles:
             notes.append(f"xla_transfers={backend.transfers()} warmup_s={self.compile_s:.2f}")
+        if self.compiled in ("inductor", "neuron"):  # graphs torch.compile traced: train and eval, per stage
+            notes.append(f"compiled_graphs={torch._dynamo.utils.counters['stats']['unique_graphs']}")
         if error:
             notes.append(error)
         row = dict(

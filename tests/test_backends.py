@@ -81,6 +81,38 @@ def test_precompile_runs_every_graph_of_the_timed_run(tmp_path, builtin_1024):
     assert counters.get("PersistentCacheHit", 0) + counters.get("PersistentCacheDeserializeFailure", 0) == XLA_GRAPHS
 
 
+def test_compile_matches_eager_and_traces_a_fixed_set_of_graphs(tmp_path, builtin_1024):
+    """device.compile: the same run as eager up to float summation order, one train graph and one
+    eval graph whatever the length, and the first step's compile kept out of the budget."""
+    run(smoke_args(tmp_path, "device.compile=true", "budget.max_steps=4"))
+    run(smoke_args(tmp_path, "device.compile=true", "budget.max_steps=8"))
+    run(smoke_args(tmp_path, "budget.max_steps=8"))
+    short, long, eager = ledger.read(tmp_path / "ledger.csv")
+    assert note(short, "compiled_graphs") == note(long, "compiled_graphs") == "2"
+    assert "compiled_graphs" not in eager["notes"]
+    assert float(long["val_bpb"]) == pytest.approx(float(eager["val_bpb"]), rel=1e-4)
+    assert (long["val_tokens"], long["val_bytes"]) == (eager["val_tokens"], eager["val_bytes"])
+    assert float(long["compile_s"]) > float(eager["compile_s"])  # tracing and code generation, not budget
+
+
+def test_compiled_layer_routing_traces_one_graph_per_phase_of_its_rotation(tmp_path, builtin_1024):
+    """Capacity 1/2 repeats every 2 micro-batches, so a step of 2 covers both phases: 2 train graphs
+    and the eval graph, and none more as the micro-batch index grows."""
+    routed = ("device.compile=true", "mod.granularity=layer", "mod.layers=[1]", "mod.capacity=0.5")
+    run(smoke_args(tmp_path, *routed, "budget.max_steps=3"))
+    run(smoke_args(tmp_path, *routed, "budget.max_steps=9"))
+    short, long = ledger.read(tmp_path / "ledger.csv")
+    assert note(short, "compiled_graphs") == note(long, "compiled_graphs") == "3"
+
+
+@pytest.mark.xla
+def test_compile_is_ignored_on_xla(tmp_path, builtin_1024):
+    out = run(smoke_args(tmp_path, "device.type=xla", "device.compile=true", "budget.max_steps=2"))
+    assert "compile:ignored (xla: the step is one graph already)" in out
+    row, = ledger.read(tmp_path / "ledger.csv")
+    assert int(row["xla_compiles"]) == XLA_GRAPHS and "compiled_graphs" not in row["notes"]
+
+
 def test_two_process_data_parallel_matches_one_process(tmp_path, builtin_1024):
     """Same global batch (512 tokens): 1 process x 2 micro-batches vs 2 ranks x 1, same tokens."""
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -142,6 +142,24 @@ def test_ablation_switches_each_component_off(tmp_path, builtin_1024):
     kernel = tmp_path / "kernel.yaml"
     kernel.write_text(f"base: {SMOKE}\nkernels: {{relu2: triton}}\n")  # a choice the ablation switches back
     assert sweep.ablation(str(kernel), [1])["variants"] == {"full": [], "kernel-relu2-torch": ["kernels.relu2=torch"]}
+    compiled = tmp_path / "compiled.yaml"
+    compiled.write_text(f"base: {SMOKE}\ndevice: {{compile: true}}\n")
+    assert sweep.ablation(str(compiled), [1])["variants"] == {"full": [], "no-compile": ["device.compile=false"]}
+
+
+def test_a_variant_may_start_from_another_config(tmp_path, builtin_1024):
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: s\nconfig: {SMOKE}\nseeds: [1]\nvariants:\n  dense: []\n"
+                    f"  mod: {{config: {ROOT / 'configs' / 'mod.yaml'}, overrides: [model.n_layer=2, 'mod.layers=[1]']}}\n")
+    spec = sweep.load_sweep(path)
+    assert spec["variants"] == {"dense": [], "mod": ["model.n_layer=2", "mod.layers=[1]"]}
+    runs = sweep.Sweep(spec, [f"data.path={ROOT / 'data' / 'builtin'}"], nproc=1)
+    command = runs.command("mod", 1)
+    assert command[command.index("--config") + 1] == str(ROOT / "configs" / "mod.yaml")
+    assert runs.configs["mod"].mod.granularity == "block" and runs.configs["dense"].mod.granularity == "none"
+    path.write_text(f"name: s\nconfig: {SMOKE}\nseeds: [1]\nvariants:\n  mod: {{overrides: [a.b=1]}}\n")
+    with pytest.raises(sweep.SweepError, match="variants.mod: expected a list of overrides or a mapping with config"):
+        sweep.load_sweep(path)
 
 
 def test_plot_command_writes_pngs(tmp_path):
@@ -168,7 +186,7 @@ def test_plot_command_writes_pngs(tmp_path):
 
 def test_a_sweep_resumes_only_from_a_readable_checkpoint_of_the_variants_recipe(tmp_path, builtin_1024):
     spec = dict(name="t", config=str(SMOKE), seeds=[1], overrides=[], baseline="a", variants={"a": []},
-                out=tmp_path / "t", ablation=False)
+                variant_configs={}, out=tmp_path / "t", ablation=False)
     runs = sweep.Sweep(spec, smoke_args(tmp_path), nproc=1)
     ckpt = runs.checkpoint("a", 1)
     ckpt.parent.mkdir(parents=True)
