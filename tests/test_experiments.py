@@ -127,7 +127,8 @@ def test_sweep_killed_after_its_first_run_resumes_with_the_missing_three(tmp_pat
 
 def test_ablation_switches_each_component_off(tmp_path, builtin_1024):
     spec = sweep.ablation(str(ROOT / "configs" / "aion.yaml"), [1])
-    assert list(spec["variants"]) == ["full", "no-routing", "no-annealing", "no-depth", "no-mlp_hidden", "no-seq_len"]
+    assert list(spec["variants"]) == ["full", "no-routing", "no-annealing", "no-depth", "no-mlp_hidden", "no-seq_len",
+                                      "no-compile"]  # aion.yaml compiles, by cpu.yaml
     configs = sweep.Sweep(spec, [f"data.path={ROOT / 'data' / 'builtin'}"], nproc=1)
     assert len(set(configs.recipes.values())) == len(spec["variants"])
     resolved = {v: train.resolve_stages(cfg) for v, cfg in configs.configs.items()}
