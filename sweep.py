@@ -297,7 +297,7 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun --nproc_per_node)")
     parser.add_argument("--max-runs", type=int, default=0, help="run at most this many runs now (0 = all)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="for every run, after the variant's")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may come after the sweep file
     if args.sweep and "=" in args.sweep:  # only overrides given: argparse put the first in `sweep`
         args.overrides.insert(0, args.sweep)
         args.sweep = None
