@@ -24,8 +24,9 @@ checkpoint and writes an `interrupted` row, then the sweep stops; run the same c
 
 --ablate derives the variants from a config: `full`, and one per AION component switched off:
 routing (mod.granularity=none), annealing (no schedule), each schedule key (removed from every
-stage), torch.compile (device.compile=false) when the config compiles, and each kernel that is not the reference on the run's backend (kernels.<op>=torch). The table then reads as each component's contribution: the full system (B) against
-the system without it (A).
+stage), torch.compile (device.compile=false) when the config compiles, and each kernel that is
+not the reference on the run's backend (kernels.<op>=torch). The table then reads as each
+component's contribution: the full system (B) against the system without it (A).
 """
 import argparse
 import dataclasses

@@ -598,9 +598,7 @@ class Backend:
 
     def compile(self, fn):
         """device.compile: torch.compile(fn), inductor on cpu and cuda, the Neuron backend on the
-        native neuron device; on XLA fn as it is (the step is already one compiled graph)."""
-        if self.xla:
-            return fn
+        native neuron device (not on XLA, where the step is already one compiled graph)."""
         # Each annealing stage, capacity and train/eval mode is a graph of its own; past the
         # default limit (8) torch would silently run the rest eagerly.
         torch._dynamo.config.recompile_limit = 64
@@ -941,9 +939,8 @@ class Trainer:
             self.model.to(torch.bfloat16)
             self.masters = {p: p.detach().float() for p in self.model.parameters()}
         self.optimizers = make_optimizers(self.model, cfg.optim, self.masters)
-        self.loss = self.backend.compile(self.model.loss) if cfg.device.compile else self.model.loss
-        self.compiled = ("off" if not cfg.device.compile else "ignored (xla: the step is one graph already)"
-                         if self.backend.xla else "neuron" if self.backend.kind == "neuron" else "inductor")
+        self.compiled = cfg.device.compile and not self.backend.xla
+        self.loss = self.backend.compile(self.model.loss) if self.compiled else self.model.loss
         self.step_count, self.train_s, self.compile_s = 0, 0.0, 0.0
         self.timeline = []  # [stage, train_s at its start, steps in it]
         self.flops = 0.0  # training FLOPs so far, by each stage's FLOPs per token
@@ -1207,11 +1204,12 @@ class Trainer:
             self.log(f"config {key}:{value}")
         params = param_count(self.model)
         peak = backend.peak_flops()
+        compiled = "ignored (xla: the step is one graph already)" if cfg.device.compile and backend.xla else self.compiled
         self.log(f"device:{self.device} dtype:{str(backend.dtype).removeprefix('torch.')} "
                  f"bf16_weights:{backend.bf16_weights} world_size:{backend.world_size} params:{params} "
                  f"peak_flops:{peak[0]:.4g} ({peak[1]}) accum_steps:{self.accum_steps} "
                  f"data:{self.data_sha} resumed_from:{self.resumed['run_id'] if self.resumed else '-'} "
-                 f"kernels:{self.kernels} compile:{self.compiled}")
+                 f"kernels:{self.kernels} compile:{compiled}")
 
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         status, error, start_step = "ok", "", self.step_count
@@ -1274,7 +1272,7 @@ class Trainer:
                 # Compile time is kept apart: all of the first step (compilation, CUDA kernel and
                 # allocator warm-up), and on XLA whatever any later step spent compiling a new graph.
                 # With device.compile, the first step of each stage compiles its graphs too.
-                warmup = self.step_count == start_step + 1 or (cfg.device.compile and self.timeline[-1][2] == 1)
+                warmup = self.step_count == start_step + 1 or (self.compiled and self.timeline[-1][2] == 1)
                 if warmup or profiled:
                     backend.wait()
                 elapsed = time.perf_counter() - t0
@@ -1387,7 +1385,7 @@ class Trainer:
             notes.append(f"curve_evals={self.curve_points} curve_eval_s={self.curve_s:.1f}")
         if compiles:
             notes.append(f"xla_transfers={backend.transfers()} warmup_s={self.compile_s:.2f}")
-        if self.compiled in ("inductor", "neuron"):  # graphs torch.compile traced: train and eval, per stage
+        if self.compiled:  # graphs torch.compile traced in this process: train and eval, per stage
             notes.append(f"compiled_graphs={torch._dynamo.utils.counters['stats']['unique_graphs']}")
         if error:
             notes.append(error)
