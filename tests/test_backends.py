@@ -1,5 +1,6 @@
 """Backends and processes: torch-xla on its CPU backend (the lazy-tensor engine Trainium uses),
-torchrun data parallel over gloo, the bf16-weights policy, precompilation, the MFU peak table."""
+torchrun data parallel over gloo, the bf16-weights policy, the auto dtype, precompilation, the MFU
+peak table."""
 import json
 import os
 import subprocess
@@ -143,6 +144,17 @@ def test_bf16_weights_keep_fp32_masters(tmp_path, builtin_1024):
         assert torch.equal(p, master.bfloat16())
     assert all(v.dtype == torch.float32 for k, v in trainer.state()["model"].items() if "inv_freq" not in k)
     trainer.loader.close()
+
+
+@pytest.mark.parametrize("avx512_bf16,amx,dtype", [(False, False, torch.float32), (True, False, torch.bfloat16),
+                                                    (False, True, torch.bfloat16)])
+def test_auto_dtype_is_bfloat16_only_on_cpus_with_native_bf16_matmuls(monkeypatch, tmp_path, avx512_bf16, amx, dtype):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert train.Backend(load_config(SMOKE, ["device.type=cpu", "device.dtype=auto"]).device).dtype == dtype
+    if avx512_bf16:  # the ledger row says what auto chose
+        train.main(smoke_args(tmp_path, "device.dtype=auto", "budget.max_steps=1"))
+        assert "dtype=bfloat16 (auto)" in ledger.read(tmp_path / "ledger.csv")[-1]["notes"]
 
 
 def test_missing_backends_are_clear_errors(tmp_path, capsys):
