@@ -153,7 +153,7 @@ def test_auto_dtype_is_bfloat16_only_on_cpus_with_native_bf16_matmuls(monkeypatc
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     assert train.Backend(load_config(SMOKE, ["device.type=cpu", "device.dtype=auto"]).device).dtype == dtype
     if avx512_bf16:  # the ledger row says what auto chose
-        train.main(smoke_args(tmp_path, "device.dtype=auto", "budget.max_steps=1"))
+        assert train.main(smoke_args(tmp_path, "device.dtype=auto", "budget.max_steps=1")) == 0
         assert "dtype=bfloat16 (auto)" in ledger.read(tmp_path / "ledger.csv")[-1]["notes"]
 
 
