@@ -1,6 +1,8 @@
 """GPT for AION: RMSNorm, rotary positions, grouped-query attention with QK-norm, ReLU^2 or
-SwiGLU MLP, optional tied embeddings, logit soft-cap, zero-initialised output projections, and
-optional Mixture-of-Depths routing of chosen layers by tile, layer or micro-batch. The hot ops
+SwiGLU MLP, optional tied embeddings, logit soft-cap, zero-initialised output projections,
+optional Mixture-of-Depths routing of chosen layers by tile, layer or micro-batch, and optional
+speedrun-style additions (value embeddings, an embedding shortcut, a hashed bigram table, U-net
+skips; GPT.block_input). The hot ops
 (the head with its loss, the RMSNorms, QK-norm with rotary, ReLU^2) are called through a
 kernels.Kernels (the config section `kernels`); the default is their plain-torch reference.
 
@@ -35,7 +37,7 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, kernels):
+    def __init__(self, cfg, kernels, value_embed=False):
         super().__init__()
         self.kernels = kernels
         assert cfg.n_embd % cfg.n_head == 0 and cfg.n_head % cfg.n_kv_head == 0
@@ -49,13 +51,18 @@ class Attention(nn.Module):
         # QK-norm makes q.k bounded, so a learned per-head gain sets the attention temperature.
         self.q_gain = nn.Parameter(torch.full((self.n_head,), cfg.qk_gain_init))
         self.rotary = Rotary(self.head_dim, cfg.rope_base)
+        if value_embed:  # learned weight of the value embedding added to v (modded-nanogpt's lambda)
+            self.ve_gate = nn.Parameter(torch.ones(()))
 
-    def forward(self, x, pos=None, mask=None):
+    def forward(self, x, pos=None, mask=None, ve=None):
         """pos: (B, T) token positions (routed tiles keep their original ones); mask: (B, 1, T, T)
-        bool, True = may attend, replacing the causal mask."""
+        bool, True = may attend, replacing the causal mask; ve: (B, T, K*D) value embeddings of
+        the tokens, or None."""
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k, v = self.c_kv(x).view(B, T, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, K, T, D)
+        if ve is not None:
+            v = v + self.ve_gate * ve.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         cos, sin = self.rotary(q, pos)
         q, k = self.kernels.qk_norm_rope(q, cos, sin, self.q_gain), self.kernels.qk_norm_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
@@ -85,17 +92,24 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, kernels):
+    def __init__(self, cfg, kernels, value_embed=False):
         super().__init__()
         self.kernels = kernels
-        self.attn, self.mlp = Attention(cfg, kernels), MLP(cfg, kernels)
+        self.attn, self.mlp = Attention(cfg, kernels, value_embed), MLP(cfg, kernels)
+        # The learned scalars of GPT.block_input, one set per block (so they move with it).
+        if cfg.x0_shortcut:
+            self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0]))  # (residual, embedding): starts as x
+        if cfg.bigram_buckets:
+            self.bigram_scale = nn.Parameter(torch.ones(()))
+        if cfg.unet:
+            self.skip_weight = nn.Parameter(torch.ones(()))
         # Residual-branch scales (the annealing schedule moves them); buffers, so a new value is
         # graph data on XLA, not a new graph. Not saved: the schedule sets them from progress.
         self.register_buffer("attn_scale", torch.ones(()), persistent=False)
         self.register_buffer("mlp_scale", torch.ones(()), persistent=False)
 
-    def forward(self, x, pos=None, mask=None):
-        x = x + self.attn_scale * self.attn(self.kernels.rmsnorm(x), pos, mask)
+    def forward(self, x, pos=None, mask=None, ve=None):
+        x = x + self.attn_scale * self.attn(self.kernels.rmsnorm(x), pos, mask, ve)
         return x + self.mlp_scale * self.mlp(self.kernels.rmsnorm(x))
 
 
@@ -128,8 +142,9 @@ class TileRouter(nn.Module):
         self.register_buffer("agree", torch.zeros(1, dtype=torch.long), persistent=False)
         self.register_buffer("total", torch.zeros(1, dtype=torch.long), persistent=False)
 
-    def forward(self, block, x, k):
-        """x: (B, T, C); k tiles per sequence go through `block` -> (x (B, T, C), predictor BCE)."""
+    def forward(self, block, x, k, ve=None):
+        """x: (B, T, C); k tiles per sequence go through `block` -> (x (B, T, C), predictor BCE).
+        ve: the layer's value embeddings (B, T, K*D), or None."""
         B, T, C = x.shape
         bs = self.block_size
         assert T % bs == 0 and 1 <= k <= T // bs, (T, bs, k)
@@ -142,13 +157,13 @@ class TileRouter(nn.Module):
         bce = F.binary_cross_entropy_with_logits(logit, target)
         w = torch.sigmoid(score)  # bounded, so a tile's delta is at most the layer's full delta
         if self.training:
-            return self.gathered(block, x, top.sort(dim=-1).values, w), bce
+            return self.gathered(block, x, top.sort(dim=-1).values, w, ve), bce
         keep = logit > 0  # (B, n)
         self.agree += (keep == target.bool()).sum()
         self.total += keep.numel()
-        return self.masked(block, x, keep, w), bce
+        return self.masked(block, x, keep, w, ve), bce
 
-    def gathered(self, block, x, tiles, w):
+    def gathered(self, block, x, tiles, w, ve):
         """Run `block` on the ascending tiles (B, k) of x only; add their w-scaled deltas back."""
         B, T, C = x.shape
         bs, k = self.block_size, tiles.size(1)
@@ -156,10 +171,13 @@ class TileRouter(nn.Module):
         index = tiles[:, :, None, None].expand(B, k, bs, C)
         x_sel = x_tiles.gather(1, index).view(B, k * bs, C)
         pos = (tiles[:, :, None] * bs + torch.arange(bs, device=x.device)).view(B, k * bs)
-        delta = (block(x_sel, pos) - x_sel).view(B, k, bs, C) * w.gather(1, tiles)[:, :, None, None]
+        if ve is not None:  # the same tiles of the value embeddings (B, T, K*D)
+            ve_index = tiles[:, :, None, None].expand(B, k, bs, ve.size(-1))
+            ve = ve.view(B, T // bs, bs, -1).gather(1, ve_index).view(B, k * bs, -1)
+        delta = (block(x_sel, pos, ve=ve) - x_sel).view(B, k, bs, C) * w.gather(1, tiles)[:, :, None, None]
         return x_tiles.scatter_add(1, index, delta).view(B, T, C)
 
-    def masked(self, block, x, keep, w):
+    def masked(self, block, x, keep, w, ve):
         """What `gathered` computes for the kept tiles (B, n) bool, on the whole sequence: queries
         attend only to keys of kept tiles; tokens of the other tiles keep x."""
         B, T, C = x.shape
@@ -168,7 +186,7 @@ class TileRouter(nn.Module):
         # A skipped token may see itself, so no attention row is empty (its output is dropped).
         self_only = torch.eye(T, dtype=torch.bool, device=x.device)
         mask = causal & (keep[:, None, :] | self_only)  # (B, T, T)
-        y = block(x, mask=mask[:, None])
+        y = block(x, mask=mask[:, None], ve=ve)
         w = w[:, :, None].expand(-1, -1, self.block_size).reshape(B, T, 1)
         return torch.where(keep[..., None], x + w * (y - x), x)
 
@@ -188,7 +206,10 @@ class GPT(nn.Module):
     - microbatch: the first ceil(capacity * B) sequences take the deep path, the others skip
       the routed layers (data order is shuffled, so this split is data-independent);
       evaluation takes the deep path for all.
-    Skipped work is not computed. Shapes depend only on B, T and capacity (set_capacity).
+    Skipped work is not computed.
+    Optional additions (keys of the `model` section; off, the model is exactly the one without them):
+    value_embed (a second embedding table, kv-wide, added to the values of every other layer, the
+    last included, with a learned per-layer weight), and per block the inputs of block_input. Shapes depend only on B, T and capacity (set_capacity).
     kernels: a kernels.Kernels (kernels.resolve); None = the reference (kernels.REFERENCE).
     """
 
@@ -202,7 +223,13 @@ class GPT(nn.Module):
         assert all(0 <= i < cfg.n_layer for i in self.routed), (self.routed, cfg.n_layer)
         self.aux_weight = 0.0 if mod is None else mod.aux_weight
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg, self.kernels) for _ in range(cfg.n_layer))
+        self.ve_layers = {i for i in range(cfg.n_layer) if cfg.value_embed and i % 2 == (cfg.n_layer - 1) % 2}
+        kv_dim = cfg.n_kv_head * (cfg.n_embd // cfg.n_head)
+        # Tables as plain parameters: an nn.Embedding would draw its own init from the RNG and so
+        # change every other initial weight (reset_parameters initialises them last).
+        self.value_embed = nn.Parameter(torch.empty(cfg.vocab_size, kv_dim)) if cfg.value_embed else None
+        self.bigram = nn.Parameter(torch.empty(cfg.bigram_buckets, cfg.n_embd)) if cfg.bigram_buckets else None
+        self.blocks = nn.ModuleList(Block(cfg, self.kernels, i in self.ve_layers) for i in range(cfg.n_layer))
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         block_routed = self.routed if self.granularity == "block" else ()
         self.routers = nn.ModuleDict({str(i): TileRouter(cfg.n_embd, mod.block_size) for i in block_routed})
@@ -226,6 +253,11 @@ class GPT(nn.Module):
                     nn.init.zeros_(m.bias)
         for gate in self.gates.values():
             nn.init.ones_(gate)
+        # Last, so that switching them on leaves every other initial weight as it was.
+        if self.value_embed is not None:
+            nn.init.normal_(self.value_embed, std=self.cfg.embed_init_std)
+        if self.bigram is not None:
+            nn.init.zeros_(self.bigram)  # enters as nothing; its per-block scales start at 1
 
     def set_capacity(self, capacity: float):
         """Share of units routed through every routed layer; a change is a new static shape."""
@@ -257,26 +289,50 @@ class GPT(nn.Module):
         """idx: (B, T) int64 -> the final-normed residual stream (B, T, C), the head's input. In
         eval mode position t sees only idx[:, :t+1]. micro_step: index of the micro-batch in the
         optimizer step (layer routing)."""
-        x = self.kernels.rmsnorm(self.wte(idx))  # (B, T, C)
+        x = x0 = self.kernels.rmsnorm(self.wte(idx))  # (B, T, C)
+        bigram = None if self.bigram is None else F.embedding(bigram_rows(idx, self.cfg.bigram_buckets), self.bigram)
+        values = None if self.value_embed is None else F.embedding(idx, self.value_embed)  # (B, T, K*D)
         aux = torch.zeros((), device=x.device)
-        for i in self.active:
+        skips = []  # U-net: outputs of the first half of the active blocks
+        for position, i in enumerate(self.active):
             block = self.blocks[i]
+            x = self.block_input(block, position, x, x0, bigram, skips)
+            ve = values if i in self.ve_layers else None
             if i not in self.routed:
-                x = block(x)
+                x = block(x, ve=ve)
             elif self.granularity == "block":
                 k = units_selected(self.capacity, x.size(1) // self.routers[str(i)].block_size)
-                x, bce = self.routers[str(i)](block, x, k)
+                x, bce = self.routers[str(i)](block, x, k, ve)
                 aux = aux + bce
             elif self.granularity == "layer":
                 if not self.training or self.layer_runs(self.routed.index(i), micro_step):
-                    x = x + self.gates[str(i)] * (block(x) - x)
+                    x = x + self.gates[str(i)] * (block(x, ve=ve) - x)
             elif self.training:  # microbatch: the first k sequences go deep
                 k = units_selected(self.capacity, x.size(0))
-                x = torch.cat((block(x[:k]), x[k:]))
+                x = torch.cat((block(x[:k], ve=None if ve is None else ve[:k]), x[k:]))
             else:
-                x = block(x)
+                x = block(x, ve=ve)
+            if self.cfg.unet and position < len(self.active) // 2:
+                skips.append(x)
         self.aux_loss = self.aux_weight * aux
         return self.kernels.rmsnorm(x)
+
+    def block_input(self, block, position, x, x0, bigram, skips):
+        """The residual stream entering the active block at `position`, from the options that are on:
+        - unet: the mirrored first-half block's output (the last one saved first) times a learned
+          weight, initialised to 1 (modded-nanogpt records 11 and 15);
+        - x0_shortcut: lambda_r * x + lambda_0 * x0, x0 the normed token embedding, lambdas 1 and 0
+          at init (record 9);
+        - bigram_buckets: plus a learned scale (init 1) times the hashed bigram embedding, a
+          zero-initialised table (record 62).
+        Each is elementwise on the whole sequence, so routing (which follows) is unaffected."""
+        if self.cfg.unet and position >= len(self.active) - len(self.active) // 2:
+            x = x + block.skip_weight * skips.pop()
+        if self.cfg.x0_shortcut:
+            x = block.x0_mix[0] * x + block.x0_mix[1] * x0
+        if bigram is not None:
+            x = x + block.bigram_scale * bigram
+        return x
 
     @property
     def head_weight(self):
@@ -313,6 +369,14 @@ class GPT(nn.Module):
         zero = torch.zeros(1, dtype=torch.long, device=self.wte.weight.device)
         agree = sum((r.agree for r in self.routers.values()), zero)
         return agree, sum((r.total for r in self.routers.values()), zero)
+
+
+def bigram_rows(idx, buckets: int):
+    """idx: (B, T) tokens -> (B, T) rows of the hashed bigram table: the pair (previous token, token)
+    hashed into rows 1..buckets-1 (the XOR of two odd multiples, as modded-nanogpt's bigram hash);
+    row 0 at a window's first position, whose previous token the model does not see."""
+    pairs = torch.bitwise_xor(36313 * idx[:, 1:], 27191 * idx[:, :-1]) % (buckets - 1) + 1
+    return torch.cat((torch.zeros_like(idx[:, :1]), pairs), dim=1)
 
 
 def param_count(model: nn.Module) -> int:

@@ -84,6 +84,10 @@ class ModelConfig:
     rope_base: float
     qk_gain_init: float
     embed_init_std: float
+    value_embed: bool
+    x0_shortcut: bool
+    bigram_buckets: int
+    unet: bool
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,8 @@ class OptimConfig:
     micro_batch: int
     muon_lr: float
     muon_momentum: float
+    muon_momentum_start: float
+    muon_momentum_warmup: float
     muon_ns_steps: int
     embed_lr: float
     head_lr: float
@@ -224,7 +230,9 @@ CHECKS = {
     "model.rope_base": positive, "mod.granularity": one_of("none", "block", "layer", "microbatch"),
     "mod.block_size": positive, "mod.capacity": (lambda v: 0 < v <= 1, "in (0, 1]"), "mod.aux_weight": non_negative,
     "mod.layers": (lambda v: all(isinstance(i, int) and not isinstance(i, bool) for i in v), "a list of integers"),
-    "schedule.grow_depth": one_of("append", "interleave"), "model.embed_init_std": positive, "optim.batch_tokens": positive,
+    "schedule.grow_depth": one_of("append", "interleave"), "model.embed_init_std": positive,
+    "model.bigram_buckets": (lambda v: v == 0 or v >= 2, "0 (off) or >= 2"), "optim.muon_momentum_start": fraction,
+    "optim.muon_momentum_warmup": fraction, "optim.batch_tokens": positive,
     "optim.micro_batch": positive, "optim.muon_lr": non_negative, "optim.muon_momentum": fraction,
     "optim.muon_ns_steps": positive, "optim.embed_lr": non_negative, "optim.head_lr": non_negative,
     "optim.scalar_lr": non_negative, "optim.beta1": fraction, "optim.beta2": fraction,
@@ -435,10 +443,17 @@ RECIPE_IGNORED = frozenset([
 ])
 
 
+# Keys added after runs were recorded, each with the value at which it changes nothing: there it is left
+# out of the hash, so a config that does not use it keeps the recipe its earlier rows have.
+RECIPE_NEUTRAL = {"model.value_embed": False, "model.x0_shortcut": False, "model.bigram_buckets": 0,
+                  "model.unet": False, "optim.muon_momentum_start": 0.85, "optim.muon_momentum_warmup": 0.0}
+
+
 def recipe(flat_config: dict, data_sha: str) -> str:
-    """12 hex digits naming what is learned: the flattened config without RECIPE_IGNORED, and the
-    data fingerprint (which stands for the data paths)."""
-    kept = {k: v for k, v in flat_config.items() if k not in RECIPE_IGNORED}
+    """12 hex digits naming what is learned: the flattened config without RECIPE_IGNORED (and keys at
+    their RECIPE_NEUTRAL value), and the data fingerprint (which stands for the data paths)."""
+    kept = {k: v for k, v in flat_config.items()
+            if k not in RECIPE_IGNORED and not (k in RECIPE_NEUTRAL and v == RECIPE_NEUTRAL[k])}
     return hashlib.sha256(json.dumps([kept, data_sha], sort_keys=True, default=list).encode()).hexdigest()[:12]
 
 
@@ -486,7 +501,8 @@ def param_groups(model: GPT, o: OptimConfig):
     # Routers and predictors are Linear(C, 1): a row, not a matrix to orthogonalise.
     vectors = ([p for block in model.blocks for p in block.parameters() if p.ndim != 2]
                + list(model.routers.parameters()) + list(model.gates.parameters()))
-    adam = [dict(params=[model.wte.weight], lr=o.embed_lr, weight_decay=o.weight_decay),
+    tables = [t for t in (model.wte.weight, model.value_embed, model.bigram) if t is not None]
+    adam = [dict(params=tables, lr=o.embed_lr, weight_decay=o.weight_decay),
             dict(params=vectors, lr=o.scalar_lr, weight_decay=0.0)]
     if model.lm_head is not None:
         adam.append(dict(params=[model.lm_head.weight], lr=o.head_lr, weight_decay=o.weight_decay))
@@ -510,6 +526,14 @@ def make_optimizers(model: GPT, o: OptimConfig, masters: dict):
 def rotation_period(mod: ModConfig, capacity: float) -> int:
     """Layer routing: micro-batches after which the rotation repeats (capacity a/P: P); 1 otherwise."""
     return Fraction(capacity).limit_denominator(1000).denominator if mod.granularity == "layer" else 1
+
+
+def muon_momentum(p: float, o: OptimConfig) -> float:
+    """Muon's momentum at progress p: linear from muon_momentum_start to muon_momentum over the first
+    muon_momentum_warmup of the budget (modded-nanogpt record 9: 0.85 -> 0.95), then constant."""
+    if p >= o.muon_momentum_warmup:
+        return o.muon_momentum
+    return o.muon_momentum_start + (o.muon_momentum - o.muon_momentum_start) * max(p, 0.0) / o.muon_momentum_warmup
 
 
 def lr_scale(p: float, o: OptimConfig) -> float:
@@ -1071,6 +1095,8 @@ class Trainer:
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["peak_lr"] * scale
+        for group in self.optimizers[0].param_groups:  # Muon
+            group["momentum"] = muon_momentum(progress, self.cfg.optim)
         loss_sum = torch.zeros((), device=self.device)
         for micro, (x, y) in enumerate(self.inputs):
             with self.backend.autocast():
