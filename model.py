@@ -2,9 +2,9 @@
 SwiGLU MLP, optional tied embeddings, logit soft-cap, zero-initialised output projections,
 optional Mixture-of-Depths routing of chosen layers by tile, layer or micro-batch, and optional
 speedrun-style additions (value embeddings, an embedding shortcut, a hashed bigram table, U-net
-skips; GPT.block_input). The hot ops
-(the head with its loss, the RMSNorms, QK-norm with rotary, ReLU^2) are called through a
-kernels.Kernels (the config section `kernels`); the default is their plain-torch reference.
+skips). The hot ops (the head with its loss, the RMSNorms, QK-norm with rotary, ReLU^2) are
+called through a kernels.Kernels (the config section `kernels`); the default is their plain-torch
+reference.
 
 Shapes in comments: B batch, T sequence, C = n_embd, H heads, K kv heads, D = C // H, V vocab,
 n = T // block_size tiles, k selected units. The model config is any object with the attributes
@@ -206,10 +206,10 @@ class GPT(nn.Module):
     - microbatch: the first ceil(capacity * B) sequences take the deep path, the others skip
       the routed layers (data order is shuffled, so this split is data-independent);
       evaluation takes the deep path for all.
-    Skipped work is not computed.
+    Skipped work is not computed. Shapes depend only on B, T and capacity (set_capacity).
     Optional additions (keys of the `model` section; off, the model is exactly the one without them):
     value_embed (a second embedding table, kv-wide, added to the values of every other layer, the
-    last included, with a learned per-layer weight), and per block the inputs of block_input. Shapes depend only on B, T and capacity (set_capacity).
+    last included, with a learned per-layer weight), and the block inputs of block_input.
     kernels: a kernels.Kernels (kernels.resolve); None = the reference (kernels.REFERENCE).
     """
 

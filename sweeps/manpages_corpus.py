@@ -34,9 +34,8 @@ ESCAPES = [(re.compile(p), r) for p, r in [
     (r"\\s[+-]?\d+", ""),                             # size change
     (r"\\\*(\[[^\]]*\]|\(..|.)", ""),                 # defined string
     (r"\\\((em|en)", "-"), (r"\\\(..", " "),          # named characters
-    (r"\\[-e]", lambda m: "-" if m.group(0) == "\\-" else "\\"),
     (r"\\[&|^%:c]", ""),                              # zero-width
-    (r"\\(.)", r"\1"),                                # any other escaped character stands for itself
+    (r"\\(.)", lambda m: "\\" if m.group(1) == "e" else m.group(1)),  # \e is a backslash; \- and the rest stand for themselves
 ]]
 TEXT_MACROS = re.compile(r"^[.'](SH|SS|TP|IP|B|I|BR|RB|IR|RI|BI|IB|SM|SB|Nm|Nd|Sh|Ss|It|Fl|Ar)\b\s*(.*)$")
 

@@ -147,7 +147,7 @@ def test_muon_momentum_warms_up_over_its_share_of_the_budget():
 
 
 def test_options_at_their_neutral_values_keep_earlier_recipes():
-    flat = train.flatten(dataclasses.asdict(load_config("configs/cpu.yaml")))
+    flat = train.flatten(dataclasses.asdict(load_config("configs/smoke.yaml")))
     assert set(train.RECIPE_NEUTRAL) <= set(flat)
     without = {k: v for k, v in flat.items() if k not in train.RECIPE_NEUTRAL}
     assert train.recipe(flat, "data") == train.recipe(without, "data")

@@ -1,3 +1,4 @@
+import importlib.util
 import io
 import json
 import random
@@ -370,3 +371,17 @@ def test_cli_unigram(small, capsys):
     assert result["val_bytes"] == meta["val_bytes"]  # the same denominator as val_bpb
     assert result["unigram_bpb"] == pytest.approx(bits / meta["val_bytes"], rel=1e-9)
     assert "unigram_bpb:" in capsys.readouterr().out
+
+
+def test_manpages_corpus_keeps_the_words_of_a_man_page_and_drops_its_markup():
+    spec = importlib.util.spec_from_file_location("manpages_corpus", Path(__file__).parent.parent / "sweeps" / "manpages_corpus.py")
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+    source = "\n".join([
+        '.\\" a comment', ".TH LS 1", ".SH NAME", "ls \\- list directory contents", ".SH SYNOPSIS",
+        ".B ls", "[\\fIOPTION\\fR]... [\\fIFILE\\fR]...", ".PP", "List \\(em \\*(lqfiles\\*(rq, sizes in \\s-1KB\\s0.",
+        ".BR dir (1)", "a \\e backslash and a \\& zero-width join",
+    ])
+    assert corpus.strip_troff(source) == (
+        "NAME\nls - list directory contents\nSYNOPSIS\nls\n[OPTION]... [FILE]...\n"
+        "List - files, sizes in KB.\ndir (1)\na \\ backslash and a  zero-width join\n")
