@@ -1,6 +1,6 @@
 """GPT for AION: RMSNorm, rotary positions, grouped-query attention with QK-norm, ReLU^2 or
 SwiGLU MLP, optional tied embeddings, logit soft-cap, zero-initialised output projections,
-optional Mixture-of-Depths routing of chosen layers by tile, layer or micro-batch, and optional
+optional Mixture-of-Depths routing of chosen layers by tile, token, layer or micro-batch, and optional
 speedrun-style additions (value embeddings, an embedding shortcut, a hashed bigram table, U-net
 skips). The hot ops (the head with its loss, the RMSNorms, QK-norm with rotary, ReLU^2) are
 called through a kernels.Kernels (the config section `kernels`); the default is their plain-torch
@@ -131,11 +131,15 @@ class TileRouter(nn.Module):
     Top-k looks at later tiles, so evaluation instead processes tile j iff predictor logit > 0.
     The predictor learns top-k membership (BCE) from a detached context, so it does not shape
     the residual stream. Evaluation counts, on the device, how often the two decisions agree.
+    own_token: tiles of one token whose router and predictor read that token's own residual
+    stream (token-level routing, as in Raposo et al. 2024): still causal, as the decision for
+    token t depends on tokens <= t only.
     """
 
-    def __init__(self, n_embd, block_size):
+    def __init__(self, n_embd, block_size, own_token=False):
         super().__init__()
-        self.block_size = block_size
+        assert block_size == 1 or not own_token, block_size
+        self.block_size, self.own_token = block_size, own_token
         # Biases give the predictor a threshold, and tile 0 (zero context) a learnable decision.
         self.router = nn.Linear(n_embd, 1)
         self.predictor = nn.Linear(n_embd, 1)
@@ -148,7 +152,7 @@ class TileRouter(nn.Module):
         B, T, C = x.shape
         bs = self.block_size
         assert T % bs == 0 and 1 <= k <= T // bs, (T, bs, k)
-        ctx = torch.cat((x.new_zeros(B, 1, C), x[:, bs - 1::bs][:, :-1]), dim=1)  # (B, n, C)
+        ctx = x if self.own_token else torch.cat((x.new_zeros(B, 1, C), x[:, bs - 1::bs][:, :-1]), dim=1)  # (B, n, C)
         h = rms_norm(ctx)  # n = T / block_size rows: the reference, not a hot op
         score = self.router(h).squeeze(-1)  # (B, n)
         logit = self.predictor(h.detach()).squeeze(-1)  # (B, n)
@@ -195,6 +199,7 @@ class GPT(nn.Module):
     """mod: None or granularity "none" = dense. Otherwise the layers in mod.layers are routed:
 
     - block: TileRouter per layer; ceil(capacity * n) of the n tiles of each sequence go through.
+    - token: the same with tiles of one token, each routed on its own residual stream.
     - layer: a routed layer runs on a whole micro-batch or is skipped; its residual delta is
       scaled by a learned gate (init 1). Rule: the layer at position r among the routed layers
       runs on micro-batch m iff ceil(c * (s + 1)) > ceil(c * s), s = m + r. A Bresenham spread:
@@ -218,7 +223,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.kernels = REFERENCE if kernels is None else kernels
         self.granularity = "none" if mod is None else mod.granularity
-        assert self.granularity in ("none", "block", "layer", "microbatch"), self.granularity
+        assert self.granularity in ("none", "block", "token", "layer", "microbatch"), self.granularity
         self.routed = () if self.granularity == "none" else tuple(mod.layers)
         assert all(0 <= i < cfg.n_layer for i in self.routed), (self.routed, cfg.n_layer)
         self.aux_weight = 0.0 if mod is None else mod.aux_weight
@@ -231,8 +236,9 @@ class GPT(nn.Module):
         self.bigram = nn.Parameter(torch.empty(cfg.bigram_buckets, cfg.n_embd)) if cfg.bigram_buckets else None
         self.blocks = nn.ModuleList(Block(cfg, self.kernels, i in self.ve_layers) for i in range(cfg.n_layer))
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        block_routed = self.routed if self.granularity == "block" else ()
-        self.routers = nn.ModuleDict({str(i): TileRouter(cfg.n_embd, mod.block_size) for i in block_routed})
+        tiled = self.granularity in ("block", "token")
+        self.routers = nn.ModuleDict({str(i): TileRouter(cfg.n_embd, 1, True) if self.granularity == "token"
+                                      else TileRouter(cfg.n_embd, mod.block_size) for i in self.routed if tiled})
         layer_routed = self.routed if self.granularity == "layer" else ()
         self.gates = nn.ParameterDict({str(i): nn.Parameter(torch.ones(())) for i in layer_routed})
         self.set_capacity(1.0 if mod is None else mod.capacity)
@@ -300,7 +306,7 @@ class GPT(nn.Module):
             ve = values if i in self.ve_layers else None
             if i not in self.routed:
                 x = block(x, ve=ve)
-            elif self.granularity == "block":
+            elif self.granularity in ("block", "token"):
                 k = units_selected(self.capacity, x.size(1) // self.routers[str(i)].block_size)
                 x, bce = self.routers[str(i)](block, x, k, ve)
                 aux = aux + bce
@@ -379,15 +385,20 @@ def bigram_rows(idx, buckets: int):
     return torch.cat((torch.zeros_like(idx[:, :1]), pairs), dim=1)
 
 
+def tile_size(mod) -> int:
+    """Tokens per routed unit of a sequence under block or token routing."""
+    return 1 if mod.granularity == "token" else mod.block_size
+
+
 def param_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
 def routed_share(mod, seq_len: int) -> float:
     """Share of a routed layer's tokens that go through it: realised ceil(c * n) / n tiles for
-    block routing; the capacity for layer (its long-run share) and microbatch (B is not known)."""
-    if mod.granularity == "block":
-        n = seq_len // mod.block_size
+    block and token routing; the capacity for layer (its long-run share) and microbatch (B is not known)."""
+    if mod.granularity in ("block", "token"):
+        n = seq_len // tile_size(mod)
         return units_selected(mod.capacity, n) / n
     return mod.capacity
 
@@ -411,8 +422,8 @@ def flops_per_token(cfg, seq_len: int, mod=None, layers=None, mlp_hidden=None) -
     causal attention itself (QK^T and AV: 2 x 2 x C per key, T/2 keys on average). Embedding
     lookups, norms and elementwise work are not counted.
     With routing (mod), a routed layer's matmuls count with its token share s (routed_share);
-    its attention with s^2 for block routing (s*T queries over s*T keys) and s otherwise; block
-    routing adds each layer's router and predictor, Linear(C, 1) each, once per tile. Gates,
+    its attention with s^2 for block and token routing (s*T queries over s*T keys) and s otherwise;
+    these two add each layer's router and predictor, Linear(C, 1) each, once per tile. Gates,
     gathers and the evaluation mask are not counted.
     layers, mlp_hidden: the active blocks and MLP width of an annealing stage (default: all)."""
     layers = range(cfg.n_layer) if layers is None else layers
@@ -426,9 +437,10 @@ def flops_per_token(cfg, seq_len: int, mod=None, layers=None, mlp_hidden=None) -
     attention = L * layer_attention
     if mod is not None and mod.granularity != "none":
         routed, share = len(set(mod.layers) & set(layers)), routed_share(mod, seq_len)
-        attention_share = share ** 2 if mod.granularity == "block" else share
+        tiled = mod.granularity in ("block", "token")
+        attention_share = share ** 2 if tiled else share
         matmul_params -= routed * (1 - share) * layer_params
         attention -= routed * (1 - attention_share) * layer_attention
-        if mod.granularity == "block":
-            matmul_params += routed * 2 * C / mod.block_size
+        if tiled:
+            matmul_params += routed * 2 * C / tile_size(mod)
     return 3 * (2 * matmul_params + attention)

@@ -24,7 +24,7 @@ checkpoint and writes an `interrupted` row, then the sweep stops; run the same c
 
 --ablate derives the variants from a config: `full`, and one per AION component switched off:
 routing (mod.granularity=none), annealing (no schedule), each schedule key (removed from every
-stage), torch.compile (device.compile=false) when the config compiles, and each kernel that is
+stage), copy growth (schedule.grow_init=zero) when the schedule copies, torch.compile (device.compile=false) when the config compiles, and each kernel that is
 not the reference on the run's backend (kernels.<op>=torch). The table then reads as each
 component's contribution: the full system (B) against the system without it (A).
 """
@@ -129,6 +129,8 @@ def ablation(config: str, seeds: list) -> dict:
         variants["no-annealing"] = ["schedule.stages=[]"]
         for key in sorted({k for stage in stages for k in stage} - {"at"}):
             variants[f"no-{key}"] = [stages_without(key)]
+        if cfg.schedule.grow_init == "copy":
+            variants["zero-growth"] = ["schedule.grow_init=zero"]
     if cfg.device.compile:
         variants["no-compile"] = ["device.compile=false"]
     kind = cfg.device.type if cfg.device.type != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -124,6 +124,7 @@ class OptimConfig:
 class ScheduleConfig:
     stages: tuple
     grow_depth: str
+    grow_init: str
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class Stage:
     attn_scale: float
     mlp_scale: float
     capacity: float
+    batch_tokens: int
 
 
 MLP_GRANULE = 128  # stage MLP widths are multiples of this (the Trainium partition count), or the full width
@@ -227,10 +229,10 @@ CHECKS = {
     "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
     "model.n_layer": positive, "model.n_embd": positive, "model.n_head": positive, "model.n_kv_head": positive,
     "model.mlp_mult": positive, "model.mlp": one_of("relu2", "swiglu"), "model.logit_softcap": non_negative,
-    "model.rope_base": positive, "mod.granularity": one_of("none", "block", "layer", "microbatch"),
+    "model.rope_base": positive, "mod.granularity": one_of("none", "block", "token", "layer", "microbatch"),
     "mod.block_size": positive, "mod.capacity": (lambda v: 0 < v <= 1, "in (0, 1]"), "mod.aux_weight": non_negative,
     "mod.layers": (lambda v: all(isinstance(i, int) and not isinstance(i, bool) for i in v), "a list of integers"),
-    "schedule.grow_depth": one_of("append", "interleave"), "model.embed_init_std": positive,
+    "schedule.grow_depth": one_of("append", "interleave"), "schedule.grow_init": one_of("zero", "copy"), "model.embed_init_std": positive,
     "model.bigram_buckets": (lambda v: v == 0 or v >= 2, "0 (off) or >= 2"), "optim.muon_momentum_start": fraction,
     "optim.muon_momentum_warmup": fraction, "optim.batch_tokens": positive,
     "optim.micro_batch": positive, "optim.muon_lr": non_negative, "optim.muon_momentum": fraction,
@@ -369,7 +371,7 @@ def validate(cfg: Config):
 def resolve_stages(cfg: Config) -> tuple:
     """schedule.stages -> Stage tuple, each checked against the model; no stages = one static stage."""
     m, full_hidden = cfg.model, cfg.model.mlp_mult * cfg.model.n_embd
-    previous = Stage(0.0, m.n_layer, full_hidden, cfg.data.seq_len, 1.0, 1.0, cfg.mod.capacity)
+    previous = Stage(0.0, m.n_layer, full_hidden, cfg.data.seq_len, 1.0, 1.0, cfg.mod.capacity, cfg.optim.batch_tokens)
     if not cfg.schedule.stages:
         return (previous,)
     fields, stages = get_type_hints(Stage), []
@@ -383,8 +385,9 @@ def resolve_stages(cfg: Config) -> tuple:
                 raise ConfigError(f"unknown key {key}.{name}; " + (f"did you mean {close[0]}?" if close else
                                                                    f"expected one of {', '.join(fields)}"))
         stage = dataclasses.replace(previous, **{k: coerce(v, fields[k], f"{key}.{k}") for k, v in entry.items()})
-        rows = cfg.optim.micro_batch * cfg.data.seq_len / stage.seq_len
-        least = previous if n else Stage(0.0, 1, 1, 1, 0.0, 0.0, 0.0)  # growth only: from the stage before
+        rows = stage_rows(cfg, stage)
+        least = previous if n else Stage(0.0, 1, 1, 1, 0.0, 0.0, 0.0, 1)  # growth only: from the stage before
+        copy = cfg.schedule.grow_init == "copy"
         problems = [
             (n == 0 and stage.at != 0, "at: the first stage must be at 0"),
             (n > 0 and not previous.at < stage.at < 1, f"at: expected increasing values in (0, 1), after {previous.at}"),
@@ -394,9 +397,14 @@ def resolve_stages(cfg: Config) -> tuple:
              or (stage.mlp_hidden % MLP_GRANULE and stage.mlp_hidden != full_hidden),
              f"mlp_hidden: expected a multiple of {MLP_GRANULE} or {full_hidden} (model.mlp_mult * model.n_embd), "
              f"growing from {least.mlp_hidden}"),
-            (stage.seq_len <= 0 or rows != int(rows),
-             f"seq_len: must divide optim.micro_batch * data.seq_len ({cfg.optim.micro_batch * cfg.data.seq_len}): "
-             f"tokens per micro-batch stay fixed"),
+            (n > 0 and copy and stage.depth > 2 * previous.depth,
+             f"depth: schedule.grow_init=copy copies active layers, so a stage at most doubles the depth "
+             f"({previous.depth} before it)"),
+            (copy and cfg.schedule.grow_depth != "append", "depth: schedule.grow_init=copy needs schedule.grow_depth=append"),
+            (stage.seq_len <= 0 or stage.batch_tokens <= 0 or rows != int(rows) or rows < 1,
+             f"seq_len, batch_tokens: the micro-batch's sequences, optim.micro_batch * data.seq_len * batch_tokens / "
+             f"(optim.batch_tokens * seq_len) = {cfg.optim.micro_batch} * {cfg.data.seq_len} * {stage.batch_tokens} / "
+             f"({cfg.optim.batch_tokens} * {stage.seq_len}), must be a whole number"),
             (cfg.mod.granularity == "block" and stage.seq_len % cfg.mod.block_size,
              f"seq_len: expected a multiple of mod.block_size ({cfg.mod.block_size})"),
             (min(stage.attn_scale, stage.mlp_scale) < 0, "attn_scale, mlp_scale: expected >= 0"),
@@ -408,6 +416,12 @@ def resolve_stages(cfg: Config) -> tuple:
                 raise ConfigError(f"{key}.{message}, got {entry}")
         stages.append(previous := stage)
     return tuple(stages)
+
+
+def stage_rows(cfg: Config, stage: Stage) -> float:
+    """Sequences per micro-batch in a stage (whole in a valid stage): the tokens per micro-batch
+    scale with the stage's tokens per step (the accumulation steps stay), cut into seq_len rows."""
+    return cfg.optim.micro_batch * cfg.data.seq_len * stage.batch_tokens / (cfg.optim.batch_tokens * stage.seq_len)
 
 
 def depth_order(n_layer: int, policy: str) -> list:
@@ -446,7 +460,8 @@ RECIPE_IGNORED = frozenset([
 # Keys added after runs were recorded, each with the value at which it changes nothing: there it is left
 # out of the hash, so a config that does not use it keeps the recipe its earlier rows have.
 RECIPE_NEUTRAL = {"model.value_embed": False, "model.x0_shortcut": False, "model.bigram_buckets": 0,
-                  "model.unet": False, "optim.muon_momentum_start": 0.85, "optim.muon_momentum_warmup": 0.0}
+                  "model.unet": False, "optim.muon_momentum_start": 0.85, "optim.muon_momentum_warmup": 0.0,
+                  "schedule.grow_init": "zero"}
 
 
 def recipe(flat_config: dict, data_sha: str) -> str:
@@ -974,13 +989,18 @@ class Trainer:
         if self.resumed:
             self.restore(self.resumed)
         self.enter_stage(self.stage_at(self.train_s / cfg.budget.seconds))
-        self.stop_signal, self.diverged, self.step_ms = None, "", []  # diverged: the reason
+        self.stop_signal, self.diverged, self.step_ms, self.steady_tokens = None, "", [], 0  # diverged: the reason
         self.curve_s, self.curve_points = 0.0, 0
 
     # -- annealing stages ----------------------------------------------------------------------
     @property
     def stage(self) -> int:
         return self.timeline[-1][0]
+
+    @property
+    def tokens(self) -> int:
+        """Training tokens so far, by each stage's tokens per step."""
+        return sum(steps * self.stages[index].batch_tokens for index, _, steps in self.timeline)
 
     def stage_at(self, progress: float) -> int:
         """The stage for this progress; never one before the latest entered (a resumed run with a
@@ -989,13 +1009,23 @@ class Trainer:
         return max(reached, max(i for i, stage in enumerate(self.stages) if stage.at <= progress))
 
     def enter_stage(self, index: int):
-        """Set the model's active layers, MLP width and capacity, and the loader's sequence
-        length (same tokens per micro-batch) to stage `index`; a new stage is a new static graph.
-        Nothing else changes: weights, optimizer state and the LR schedule carry on."""
+        """Set the model's active layers, MLP width and capacity, the loader's sequence length and
+        tokens per step (stage_rows), and the LR's batch factor to stage `index`; a new stage is a
+        new static graph. Weights, optimizer state and the LR schedule carry on, except that with
+        schedule.grow_init=copy the layers a stage adds start as copies of the top ones active
+        before it (stacking, Du et al. 2024), optimizer state included."""
         stage, cfg = self.stages[index], self.cfg
-        self.model.set_active(depth_order(cfg.model.n_layer, cfg.schedule.grow_depth)[:stage.depth], stage.mlp_hidden)
+        order = depth_order(cfg.model.n_layer, cfg.schedule.grow_depth)
+        if self.timeline and cfg.schedule.grow_init == "copy":  # not on a run's first entry: nothing has trained
+            before = self.stages[self.stage].depth
+            for source, new in zip(order[2 * before - stage.depth:before], order[before:stage.depth]):
+                self.copy_block(source, new)
+        self.model.set_active(order[:stage.depth], stage.mlp_hidden)
         self.model.set_capacity(stage.capacity)
-        rows = cfg.optim.micro_batch * cfg.data.seq_len // stage.seq_len
+        # Tokens per step times b: the LR times sqrt(b) (the square-root rule for adaptive optimizers,
+        # Malladi et al. 2022, arXiv 2205.10287).
+        self.batch_lr = (stage.batch_tokens / cfg.optim.batch_tokens) ** 0.5
+        rows = int(stage_rows(cfg, stage))
         if self.loader is None or (self.loader.batch_size, self.loader.seq_len) != (rows, stage.seq_len):
             if self.loader is not None:
                 self.loader.close()
@@ -1011,6 +1041,21 @@ class Trainer:
             cfg.mod, capacity=stage.capacity), self.model.active, stage.mlp_hidden)
         if not self.timeline or self.stage != index:
             self.timeline.append([index, self.train_s, 0])
+
+    @torch.no_grad()
+    def copy_block(self, source: int, new: int):
+        """Block `new` becomes a copy of block `source`: every parameter both have (the value-embedding
+        weight only some layers have stays), with its fp32 master and its optimizer state."""
+        params = dict(self.model.blocks[new].named_parameters())
+        for name, p in self.model.blocks[source].named_parameters():
+            if name not in params:
+                continue
+            src, dst = self.masters.get(p, p), self.masters.get(params[name], params[name])
+            params[name].copy_(p)
+            dst.copy_(src)
+            for opt in self.optimizers:
+                if src in opt.state:
+                    opt.state[dst] = {k: v.clone() for k, v in opt.state[src].items()}
 
     def residual_scales(self, progress: float):
         """(attn, mlp) branch scales: each stage's values at its `at`, linear in between, so they
@@ -1091,7 +1136,7 @@ class Trainer:
         update. Returns the mean training loss (of all ranks) as a device tensor, not read here."""
         # Never exactly 0: torch-xla traces a zero LR into a graph of its own (measured), so warmup's
         # first steps and warmdown's last would each compile one more.
-        scale = max(lr_scale(progress, self.cfg.optim), 1e-9)
+        scale = max(lr_scale(progress, self.cfg.optim) * self.batch_lr, 1e-9)
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["peak_lr"] * scale
@@ -1174,7 +1219,7 @@ class Trainer:
         loss = (total - self.logged[0]) / (self.step_count - self.logged[1])
         self.logged = (total, self.step_count)
         budget = self.cfg.budget.seconds
-        tokens_per_s = throughput(self.step_ms, self.cfg.optim.batch_tokens)
+        tokens_per_s = throughput(self.step_ms, self.steady_tokens)
         scale = lr_scale(self.train_s / budget, self.cfg.optim)
         self.log(f"step:{self.step_count} loss:{loss:.4f} tokens_per_s:{tokens_per_s:.0f} train_s:{self.train_s:.1f} "
                  f"p:{self.train_s / budget:.3f} lr_scale:{scale:.3f} epoch:{self.loader.epoch}")
@@ -1202,7 +1247,7 @@ class Trainer:
         eval.curve_tokens slice during training) or final (the whole evaluation)."""
         if self.is_main:
             record = dict(kind=kind, step=self.step_count, train_s=round(self.train_s, 3),
-                          tokens=self.step_count * self.cfg.optim.batch_tokens, stage=self.stage, **values)
+                          tokens=self.tokens, stage=self.stage, **values)
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
 
@@ -1291,7 +1336,7 @@ class Trainer:
                 t0, compiled_s = time.perf_counter(), backend.compile_seconds()
                 loss_total += self.step(progress)
                 self.timeline[-1][2] += 1
-                self.flops += self.stage_flops_per_token * cfg.optim.batch_tokens
+                self.flops += self.stage_flops_per_token * self.stages[self.stage].batch_tokens
                 if self.step_count % cfg.run.log_every == 0 and not self.precompile:
                     backend.on_values(self.report, loss_total)
                 elif self.step_count % check_every == 0 and not self.precompile:
@@ -1313,6 +1358,7 @@ class Trainer:
                     self.train_s += elapsed if cfg.budget.count_compile else elapsed - compiling
                 if not (compiling or profiled):
                     self.step_ms.append(elapsed * 1000)
+                    self.steady_tokens += self.stages[self.stage].batch_tokens
                 if prof is not None and self.step_count == profile_end:
                     self.write_profile(prof, profile_first, profile_s)
                 if self.diverged:
@@ -1384,7 +1430,7 @@ class Trainer:
                 self.log_file.close()
                 self.metrics_file.close()
             return dict(status=status)
-        tokens_per_s = throughput(self.step_ms, cfg.optim.batch_tokens)
+        tokens_per_s = throughput(self.step_ms, self.steady_tokens)
         val_loss = val_bpb = val_tokens = val_bytes = failure = None
         eval_s = 0.0
         try:
@@ -1401,7 +1447,7 @@ class Trainer:
                 self.metric("final", eval_s=eval_s, val_loss=val_loss, val_bpb=val_bpb)
         except Exception as e:  # a full disk, a failing evaluation: the row still records the run
             status, error, failure = "failed", f"{type(e).__name__}: {e}", e
-        tokens = self.step_count * cfg.optim.batch_tokens
+        tokens = self.tokens
         fpt = self.flops / tokens if tokens else self.stage_flops_per_token  # token-weighted over stages
         notes = [cfg.ledger.notes] if cfg.ledger.notes else []
         if self.resumed:
@@ -1448,9 +1494,10 @@ class Trainer:
         return row
 
 
-def throughput(step_ms: list, tokens_per_step: int) -> float:
-    """Steady-state tokens/s: the first step (warm-up, compilation) is left out."""
-    return len(step_ms) * tokens_per_step / (sum(step_ms) / 1000) if step_ms else 0.0
+def throughput(step_ms: list, tokens: int) -> float:
+    """Steady-state tokens/s: `tokens` trained in the steps timed in step_ms (warm-up and compiling
+    steps are left out of both)."""
+    return tokens / (sum(step_ms) / 1000) if step_ms else 0.0
 
 
 def main(argv=None) -> int:

@@ -27,15 +27,33 @@ THREE_STAGES = ("schedule.stages=[{at: 0, depth: 1, mlp_hidden: 128, seq_len: 32
     ("[{at: 0, depth: 3}]", "schedule.stages[0].depth: expected 1..2"),
     ("[{at: 0, depth: 2}, {at: 0.5, depth: 1}]", "schedule.stages[1].depth: expected 2..2 (growing"),
     ("[{at: 0, mlp_hidden: 100}]", "schedule.stages[0].mlp_hidden: expected a multiple of 128 or 256"),
-    ("[{at: 0, seq_len: 48}]", "schedule.stages[0].seq_len: must divide optim.micro_batch * data.seq_len (256)"),
+    ("[{at: 0, seq_len: 48}]", "schedule.stages[0].seq_len, batch_tokens: the micro-batch's sequences, "
+                               "optim.micro_batch * data.seq_len * batch_tokens / (optim.batch_tokens * seq_len) "
+                               "= 4 * 64 * 512 / (512 * 48), must be a whole number"),
     ("[{at: 0, dept: 1}]", "unknown key schedule.stages[0].dept; did you mean depth?"),
     ("[{at: 0, capacity: 0.5}]", "schedule.stages[0].capacity: needs mod.granularity other than none"),
     ("[{depth: 1}]", "schedule.stages[0]: expected a mapping with `at`"),
     ("[{at: 0, depth: one}]", "schedule.stages[0].depth: expected int, got 'one'"),
+    ("[{at: 0, batch_tokens: 320}]", "schedule.stages[0].seq_len, batch_tokens: the micro-batch's sequences, "
+                                     "optim.micro_batch * data.seq_len * batch_tokens / (optim.batch_tokens * seq_len) "
+                                     "= 4 * 64 * 320 / (512 * 64), must be a whole number"),
+    ("[{at: 0, batch_tokens: 64}]", "schedule.stages[0].seq_len, batch_tokens"),  # half a sequence per micro-batch
 ])
 def test_schedule_errors_name_the_stage_and_key(stages, message):
     with pytest.raises(ConfigError) as e:
         load_config(SMOKE, [WIDE, f"schedule.stages={stages}"])
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("model.n_layer=4", "schedule.stages=[{at: 0, depth: 1}, {at: 0.5, depth: 3}]"),
+     "schedule.stages[1].depth: schedule.grow_init=copy copies active layers, so a stage at most doubles the depth (1 before it)"),
+    (("schedule.grow_depth=interleave", "schedule.stages=[{at: 0, depth: 1}, {at: 0.5, depth: 2}]"),
+     "schedule.stages[0].depth: schedule.grow_init=copy needs schedule.grow_depth=append"),
+])
+def test_copy_growth_errors(extra, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(SMOKE, ["schedule.grow_init=copy", *extra])
     assert message in str(e.value)
 
 
@@ -99,6 +117,99 @@ def test_optimizer_state_after_growth(tmp_path, builtin_1024):
     assert adam_state["exp_avg"].shape == trainer.model.blocks[1].attn.q_gain.shape
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     trainer.loader.close()
+
+
+COPY_STAGES = ("model.n_layer=4", "schedule.grow_init=copy",
+               "schedule.stages=[{at: 0, depth: 1}, {at: 0.3, depth: 2}, {at: 0.6, depth: 4}]")
+
+
+def block_state(trainer, i):
+    """Block i's parameters and their optimizer state, as plain tensors keyed by name."""
+    out = {}
+    for name, p in trainer.model.blocks[i].named_parameters():
+        out[name] = p.detach().clone()
+        for n, opt in enumerate(trainer.optimizers):
+            for key, value in opt.state.get(p, {}).items():
+                out[f"{name}/{n}/{key}"] = value.clone()
+    return out
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_copy_growth_stacks_trained_layers_with_their_optimizer_state(tmp_path, builtin_1024):
+    trainer = train.Trainer(load_config(SMOKE, smoke_args(tmp_path, *COPY_STAGES)[2:]))
+    for index, sources in ((1, {1: 0}), (2, {2: 0, 3: 1})):  # 1 -> 2 layers: block 0 copied; 2 -> 4: blocks 0, 1
+        for _ in range(2):
+            trainer.step(0.0)
+            trainer.inputs = trainer.fetch()
+        before = {i: block_state(trainer, i) for i in range(4)}
+        trainer.enter_stage(index)
+        assert trainer.model.active == tuple(range(trainer.stages[index].depth))
+        for new, source in sources.items():
+            copied = block_state(trainer, new)
+            assert_same(copied, before[source])  # weights, Muon momentum, AdamW moments and step
+            assert any(k.endswith("momentum_buffer") for k in copied) and any(k.endswith("exp_avg") for k in copied)
+        for i in set(range(4)) - set(sources):
+            assert_same(block_state(trainer, i), before[i])  # the others untouched
+    trainer.step(0.7)
+    a, b = block_state(trainer, 0), block_state(trainer, 2)
+    assert not torch.equal(a["attn.c_q.weight"], b["attn.c_q.weight"])  # copies train apart (their inputs differ)
+    trainer.loader.close()
+
+
+def test_copy_growth_resumes_mid_schedule(tmp_path, builtin_1024):
+    args = smoke_args(tmp_path, *COPY_STAGES, "budget.seconds=10")[2:]
+    trainer = train.Trainer(load_config(SMOKE, args))
+    trainer.step(0.0)
+    trainer.timeline[-1][2] += 1
+    before_switch = tmp_path / "before.pt"
+    train.save_checkpoint(before_switch, trainer.state())
+    trainer.train_s = 3.5  # p = 0.35: the second stage, entered (and copied) as the loop would
+    trainer.enter_stage(trainer.stage_at(0.35))
+    trainer.step(0.35)
+    trainer.timeline[-1][2] += 1
+    after_switch = tmp_path / "after.pt"
+    train.save_checkpoint(after_switch, trainer.state())
+    trained = {i: block_state(trainer, i) for i in range(2)}
+    trainer.loader.close()
+
+    resumed = train.Trainer(load_config(SMOKE, [*args, f"checkpoint.resume={after_switch}"]))
+    assert resumed.stage == 1 and resumed.model.active == (0, 1)
+    for i in range(2):  # block 1 keeps what it learned since the copy: resuming copies nothing again
+        assert_same(block_state(resumed, i), trained[i])
+    assert not torch.equal(trained[0]["attn.c_q.weight"], trained[1]["attn.c_q.weight"])
+    resumed.loader.close()
+
+    resumed = train.Trainer(load_config(SMOKE, [*args, f"checkpoint.resume={before_switch}"]))
+    assert resumed.stage == 0
+    block0 = block_state(resumed, 0)
+    resumed.enter_stage(1)  # the switch still to come copies, as in the uninterrupted run
+    assert_same(block_state(resumed, 1), block0)
+    resumed.loader.close()
+
+
+def test_batch_size_stage_scales_rows_lr_and_token_counts(tmp_path, builtin_1024, monkeypatch):
+    stages = "schedule.stages=[{at: 0, batch_tokens: 256}, {at: 0.5, batch_tokens: 512}]"
+    trainer = train.Trainer(load_config(SMOKE, smoke_args(tmp_path, stages)[2:]))
+    assert trainer.accum_steps == 2 and trainer.loader.batch_size == 2  # half the rows, same accumulation
+    trainer.step(0.0)
+    for opt in trainer.optimizers:
+        for group in opt.param_groups:
+            assert group["lr"] == pytest.approx(group["peak_lr"] * 0.5 ** 0.5)
+    trainer.enter_stage(1)
+    assert trainer.loader.batch_size == 4
+    trainer.step(0.5)
+    assert all(g["lr"] == pytest.approx(g["peak_lr"]) for opt in trainer.optimizers for g in opt.param_groups)
+    trainer.loader.close()
+    monkeypatch.setattr(train, "time", StepClock())
+    assert train.main(smoke_args(tmp_path, stages, "budget.seconds=2", "budget.max_steps=0")) == 0
+    (row,) = ledger.read(tmp_path / "ledger.csv")
+    steps = [int(part.split(":")[1]) for part in row["stages"].split()]
+    assert int(row["tokens"]) == 256 * steps[0] + 512 * steps[1] and steps[0] > 0 and steps[1] > 0
 
 
 class StepClock:

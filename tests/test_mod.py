@@ -43,7 +43,7 @@ def count_calls(modules):
     return calls
 
 
-@pytest.mark.parametrize("granularity", ["block", "layer", "microbatch"])
+@pytest.mark.parametrize("granularity", ["block", "token", "layer", "microbatch"])
 def test_evaluation_is_causal(granularity):
     model = make(granularity).eval()
     logits = [r.predictor for r in model.routers.values()]
@@ -58,7 +58,7 @@ def test_evaluation_is_causal(granularity):
             a, b = model(idx), model(changed)
         assert torch.equal(a[:, : t + 1], b[:, : t + 1]), t
         assert not torch.equal(a[:, t + 1:], b[:, t + 1:])  # the change did reach later positions
-    if granularity == "block":  # the predictor both processed and skipped tiles, so routing was exercised
+    if granularity in ("block", "token"):  # the predictor both processed and skipped tiles: routing was exercised
         decided = torch.cat([d.flatten() for d in decisions])
         assert decided.any() and not decided.all()
 
@@ -71,6 +71,24 @@ def test_full_capacity_is_the_dense_layer_scaled_by_the_router():
     ctx = torch.cat((torch.zeros(2, 1, 32), x[:, BLOCK_SIZE - 1::BLOCK_SIZE][:, :-1]), dim=1)  # (B, n, C)
     w = torch.sigmoid(router.router(rms_norm(ctx))).repeat_interleave(BLOCK_SIZE, dim=1)  # (B, T, 1)
     torch.testing.assert_close(out, x + w * (block(x) - x), rtol=1e-5, atol=1e-5)
+
+
+def test_token_routing_reads_each_tokens_own_state():
+    model = make("token", capacity=1.0).train()
+    router, block = model.routers["1"], model.blocks[1]
+    assert router.block_size == 1
+    x = torch.randn(2, T, 32)
+    out, _ = router(block, x, T)
+    w = torch.sigmoid(router.router(rms_norm(x)))  # (B, T, 1): token t's own residual stream
+    torch.testing.assert_close(out, x + w * (block(x) - x), rtol=1e-5, atol=1e-5)
+
+
+def test_token_routing_gathers_a_static_number_of_tokens():
+    model = make("token", capacity=0.25).train()
+    (calls,) = count_calls([model.blocks[1]])
+    for seed in (1, 2):
+        model(tokens(seed=seed))
+    assert calls == [(2, T // 4, 32)] * 2  # the top 8 of 32 tokens of each sequence, whatever the data
 
 
 def test_gradients_reach_the_router():
@@ -164,7 +182,9 @@ def test_flops_and_active_params():
     assert without_routed < block < dense
     layer, microbatch = (flops_per_token(cfg, T, mod_cfg(g, 0.5)) for g in ("layer", "microbatch"))
     assert block < layer == microbatch < dense  # block attention share c^2 < c
-    for granularity in ("block", "layer", "microbatch"):
+    token = flops_per_token(cfg, T, mod_cfg("token", 0.5))
+    assert token - block == pytest.approx(3 * 2 * len(ROUTED) * 2 * 32 * (1 - 1 / BLOCK_SIZE))  # a router per token
+    for granularity in ("block", "token", "layer", "microbatch"):
         model = GPT(cfg, mod_cfg(granularity, 0.5))
         assert active_params(model) < param_count(model)
         model.set_capacity(1.0)
