@@ -161,9 +161,13 @@ def test_sweep_killed_after_its_first_run_resumes_with_the_missing_three(tmp_pat
 
 
 def test_ablation_switches_each_component_off(tmp_path, builtin_1024):
-    spec = sweep.ablation(str(ROOT / "configs" / "aion.yaml"), [1])
+    every = tmp_path / "every.yaml"  # routing, annealing with copy growth, and compile (by cpu.yaml)
+    every.write_text(f"base: {ROOT / 'configs' / 'anneal.yaml'}\nmod: {{granularity: block, layers: [1, 3], block_size: 64}}\n"
+                     f"schedule: {{grow_init: copy}}\n")
+    spec = sweep.ablation(str(every), [1])
     assert list(spec["variants"]) == ["full", "no-routing", "no-annealing", "no-depth", "no-mlp_hidden", "no-seq_len",
-                                      "no-compile"]  # aion.yaml compiles, by cpu.yaml
+                                      "zero-growth", "no-compile"]
+    assert spec["variants"]["zero-growth"] == ["schedule.grow_init=zero"]
     configs = sweep.Sweep(spec, [f"data.path={ROOT / 'data' / 'builtin'}"], nproc=1)
     assert len(set(configs.recipes.values())) == len(spec["variants"])
     resolved = {v: config.resolve_stages(cfg) for v, cfg in configs.configs.items()}
