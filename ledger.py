@@ -8,11 +8,13 @@ train.py calls append(path, row) at the end of every run; people read the ledger
     python ledger.py plot variants SWEEP --out variants.png
     python ledger.py migrate PATH   (an older schema -> PATH's name with .migrated.csv, beside it)
 where a run id may be abbreviated to a unique prefix, and an arm is a set of ok runs named by a
-recipe, SWEEP/VARIANT, a config name, a run id prefix or a notes tag (see `arm`). The verdict uses
-scipy and the plots matplotlib, imported only there; the rest is standard library.
+recipe, SWEEP/VARIANT, a config name, a run id prefix or a notes tag, and is always one recipe
+(see `arm`). The verdict uses scipy, the plots matplotlib, and a config's arm config.py (for the
+recipe the file has now), each imported only there; the rest is standard library.
 """
 import argparse
 import csv
+import dataclasses
 import fcntl
 import io
 import json
@@ -220,7 +222,9 @@ ARM_KINDS = ("recipe", "sweep/variant", "config", "run id prefix", "notes tag")
 def arm(rows, key):
     """-> (kind, rows): the ok runs with a val_bpb that `key` names, trying in turn a recipe, SWEEP/VARIANT,
     a config (path, file name or stem), a run id prefix and a notes substring; the first kind that
-    matches any run wins."""
+    matches any run wins. An arm is one recipe: a config names its runs of the recipe the file has
+    now (overrides that change what is learned make other recipes); a name matching runs of
+    several recipes is refused, with the recipes listed."""
     ok = [r for r in rows if r.get("status") == "ok" and r.get("val_bpb")]
     tests = (lambda r: r.get("recipe") == key,
              lambda r: r.get("sweep") and f"{r['sweep']}/{r.get('variant', '')}" == key,
@@ -229,9 +233,34 @@ def arm(rows, key):
              lambda r: key in r.get("notes", ""))
     for kind, test in zip(ARM_KINDS, tests):
         found = [r for r in ok if test(r)]
+        if found and kind == "config":
+            found = current_recipe(found)
+        recipes = {}
+        for r in found:
+            recipes.setdefault(r.get("recipe") or "?", []).append(r)
+        if len(recipes) > 1:
+            newest = sorted(recipes.items(), key=lambda item: item[1][-1].get("time", ""), reverse=True)
+            listing = [f"  {name}: {len(runs)} runs, budget {runs[0].get('budget_s', '?')} s, {runs[-1]['config']} "
+                       f"{runs[-1].get('overrides') or '-'}, last {runs[-1].get('time', '?')}" for name, runs in newest[:10]]
+            more = [f"  ... and {len(newest) - 10} more"] if len(newest) > 10 else []
+            raise LedgerError(f"arm {key!r} ({kind}) matches ok runs of {len(recipes)} recipes; an arm must be one "
+                              f"recipe: name it by its recipe (or SWEEP/VARIANT). Newest first:\n" + "\n".join(listing + more))
         if found:
             return kind, found
     raise LedgerError(f"no ok run with a val_bpb matches arm {key!r} (tried: {', '.join(ARM_KINDS)})")
+
+
+def current_recipe(found):
+    """A config's runs of the recipe its file has now, for any of the runs' data; all of them if the file
+    cannot be loaded or none is of that recipe."""
+    from config import ConfigError, flatten, load_config, recipe
+    path = Path(found[-1]["config"])
+    try:
+        flat = flatten(dataclasses.asdict(load_config(path if path.is_absolute() else Path(__file__).parent / path)))
+    except (ConfigError, OSError):
+        return found
+    now = {recipe(flat, sha) for sha in {r.get("data_sha", "") for r in found}}
+    return [r for r in found if r.get("recipe") in now] or found
 
 
 def seeds_needed(diff, sd):
@@ -284,13 +313,15 @@ def verdict_lines(name_a, rows_a, name_b, rows_b):
 
 
 def print_verdict(rows, key_a, key_b):
-    arms = []
-    for key in (key_a, key_b):
-        kind, found = arm(rows, key)
-        recipes = sorted({r.get("recipe") or "?" for r in found})
-        mixed = f"; {len(recipes)} recipes: not one recipe" if len(recipes) > 1 else f"; recipe {recipes[0]}"
-        print(f"arm {key!r}: {kind}, {len(found)} ok runs{mixed}")
-        arms.append(found)
+    arms = [arm(rows, key) for key in (key_a, key_b)]
+    budgets = [arm_rows[0]["budget_s"] for _, arm_rows in arms]  # one recipe: one budget
+    if budgets[0] != budgets[1]:
+        raise LedgerError(f"arm {key_a!r} ran with a budget of {budgets[0]} s, arm {key_b!r} with {budgets[1]} s: "
+                          f"a verdict compares equal budgets")
+    for key, (kind, found) in zip((key_a, key_b), arms):
+        print(f"arm {key!r}: {kind}, recipe {found[0].get('recipe') or '?'}, budget {found[0]['budget_s']} s, "
+              f"{len(found)} ok runs")
+    arms = [found for _, found in arms]
     print(_table(verdict_lines(key_a, arms[0], key_b, arms[1])))
     print(f"keep: B better with p < {ALPHA} (Welch's t-test); revert: B worse with p < {ALPHA}; seeds/arm: runs per "
           f"arm that detect a difference of this size at this spread with power {POWER}")

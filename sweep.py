@@ -24,8 +24,9 @@ checkpoint and writes an `interrupted` row, then the sweep stops; run the same c
 
 --ablate derives the variants from a config: `full`, and one per AION component switched off:
 routing (mod.granularity=none), annealing (no schedule), each schedule key (removed from every
-stage), copy growth (schedule.grow_init=zero) when the schedule copies, torch.compile (device.compile=false) when the config compiles, and each kernel that is
-not the reference on the run's backend (kernels.<op>=torch). The table then reads as each
+stage), copy growth (schedule.grow_init=zero) when the schedule copies, torch.compile
+(device.compile=false) when the config compiles, and each kernel that is not the reference on
+the run's backend (kernels.<op>=torch). The table then reads as each
 component's contribution: the full system (B) against the system without it (A).
 """
 import argparse
@@ -45,6 +46,7 @@ import yaml
 import kernels
 import ledger
 import train
+from config import ConfigError, flatten, load_config, recipe
 
 ROOT = Path(__file__).resolve().parent
 DONE = ("ok", "diverged")  # a diverged run is a result too: running it again would diverge again
@@ -116,7 +118,7 @@ def load_sweep(path: Path) -> dict:
 
 def ablation(config: str, seeds: list) -> dict:
     """One variant per AION component of the config switched off; `full` is the baseline."""
-    cfg = train.load_config(config)
+    cfg = load_config(config)
     stages = [dict(stage) for stage in cfg.schedule.stages]
 
     def stages_without(*keys):
@@ -152,7 +154,7 @@ class Sweep:
         self.fingerprints = {}
         self.configs = {v: self.variant_config(v) for v in spec["variants"]}  # every variant checked up front
         self.data_sha = {v: self.fingerprint(cfg) for v, cfg in self.configs.items()}
-        self.recipes = {v: train.recipe(train.flatten(dataclasses.asdict(cfg)), self.data_sha[v])
+        self.recipes = {v: recipe(flatten(dataclasses.asdict(cfg)), self.data_sha[v])
                         for v, cfg in self.configs.items()}
         self.stop_signal, self.child = None, None
 
@@ -164,8 +166,8 @@ class Sweep:
 
     def variant_config(self, variant):
         try:
-            return train.load_config(self.config_file(variant), self.overrides(variant))
-        except (train.ConfigError, OSError) as e:
+            return load_config(self.config_file(variant), self.overrides(variant))
+        except (ConfigError, OSError) as e:
             raise SweepError(f"sweep {self.spec['name']}, variant {variant}: {e}") from None
 
     def fingerprint(self, cfg):
@@ -195,7 +197,7 @@ class Sweep:
         # changed) or unreadable (torn by a kill): then the run starts afresh and overwrites it.
         if ckpt.exists():
             try:
-                saved = train.recipe(train.flatten(train.load_checkpoint(ckpt)["config"]), self.data_sha[variant])
+                saved = recipe(flatten(train.load_checkpoint(ckpt)["config"]), self.data_sha[variant])
             except train.CheckpointError:
                 saved = None
             if saved == self.recipes[variant]:
@@ -309,7 +311,7 @@ def main(argv=None) -> int:
     try:
         spec = ablation(args.ablate, args.seeds) if args.ablate else load_sweep(Path(args.sweep))
         sweep = Sweep(spec, args.overrides, args.nproc)
-    except (SweepError, train.ConfigError, train.data.DataError) as e:
+    except (SweepError, ConfigError, train.data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return sweep.run(args.max_runs)

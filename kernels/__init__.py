@@ -22,10 +22,10 @@ IMPLS = ("torch", "triton", "nki")
 
 # What `auto` picks, per platform (platform()). The rule: an implementation is listed only where
 # `python -m kernels.bench` measured it faster than the reference on that platform; elsewhere the
-# reference. Measured so far: nothing but the reference. This session had no GPU and no Trainium
-# (the Triton kernels were verified under TRITON_INTERPRET=1 on a CPU, which says nothing about
-# speed), so every entry is the reference until a bench table on CUDA or Neuron says otherwise;
-# record the bench command, date and numbers here with the change.
+# reference. Measured so far: nothing but the reference. No GPU or Trainium run has been made (the
+# Triton kernels were verified under TRITON_INTERPRET=1 on a CPU, which says nothing about speed),
+# so every entry is the reference until a bench table on CUDA (`python -m tools.gpu_check`) or
+# Neuron says otherwise; record the bench command, date and numbers here with the change.
 AUTO = {
     platform: {op: "torch" for op in OPS}
     for platform in ("cpu", "cuda", "xla-cpu", "xla-neuron", "neuron")

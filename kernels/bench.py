@@ -10,7 +10,7 @@ Shapes: one micro-batch, N = optim.micro_batch * data.seq_len tokens: head x (N,
 outputs (qk_norm_rope, relu2) in the compute dtype. A timing is the median of --repeats calls of
 forward + backward after --warmup, bracketed by Backend.wait(); peak memory is CUDA's peak
 allocation during one call, above what the inputs hold. A tool, not part of the library: it may
-import train (for load_config and Backend).
+import train (for Backend) and config.
 """
 
 import argparse
@@ -22,6 +22,7 @@ import torch
 
 import kernels
 import train
+from config import load_config
 
 
 def op_inputs(op, cfg, device, dtype):
@@ -86,12 +87,12 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls first (compilation, autotuning)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_args(argv)
-    cfg = train.load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
     backend = train.Backend(cfg.device)
     torch.manual_seed(cfg.run.seed)
     m = cfg.model
     print(f"# kernels.bench {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} config:{args.config} "
-          f"overrides:{' '.join(args.overrides) or '-'} device:{backend.device} dtype:{str(backend.dtype).removeprefix('torch.')}"
+          f"overrides:{' '.join(args.overrides) or '-'} device:{backend.device} dtype:{backend.dtype_name}"
           f" tokens:{cfg.optim.micro_batch * cfg.data.seq_len} (micro_batch {cfg.optim.micro_batch} x seq_len "
           f"{cfg.data.seq_len}) n_embd:{m.n_embd} heads:{m.n_head} vocab:{m.vocab_size} "
           f"mlp_hidden:{m.mlp_mult * m.n_embd} repeats:{args.repeats} warmup:{args.warmup}")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import data  # noqa: E402
 import train  # noqa: E402
+from config import load_config  # noqa: E402
 
 LAYERS, WIDTH, HEADS, SEQ, ROWS = 4, 256, 4, 256, 16
 
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
             f"optim.batch_tokens={ROWS * SEQ}", f"optim.micro_batch={ROWS}", f"budget.max_steps={args.steps}",
             "run.name=nanogpt-shape", "run.profile_steps=0", "eval.tokens=8192", "eval.every_seconds=0",
             "checkpoint.every_seconds=0", *args.overrides]
-    cfg = train.load_config(Path(__file__).resolve().parent.parent / "configs" / "cpu.yaml", ours)
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "cpu.yaml", ours)
     torch.manual_seed(cfg.run.seed)
     train_files, _, _, _ = train.open_data(cfg)
     tokens = data.load_shard(train_files[0], cfg.model.vocab_size)

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 import data
-from train import load_config
+from config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = ROOT / "data" / "builtin"  # the default data.path; prepared once, shared with real runs

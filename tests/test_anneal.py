@@ -11,7 +11,7 @@ import torch
 import data
 import ledger
 import train
-from train import ConfigError, load_config
+from config import ConfigError, load_config
 from test_backends import COUNTERS, XLA_GRAPHS, run, smoke_args
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,8 @@ import torch
 
 import train
 from model import GPT, bigram_rows, param_count
-from train import load_config
+import config
+from config import load_config
 
 OPTIONS = {"value_embed": True, "x0_shortcut": True, "bigram_buckets": 37, "unet": True}
 
@@ -147,8 +148,8 @@ def test_muon_momentum_warms_up_over_its_share_of_the_budget():
 
 
 def test_options_at_their_neutral_values_keep_earlier_recipes():
-    flat = train.flatten(dataclasses.asdict(load_config("configs/smoke.yaml")))
-    assert set(train.RECIPE_NEUTRAL) <= set(flat)
-    without = {k: v for k, v in flat.items() if k not in train.RECIPE_NEUTRAL}
-    assert train.recipe(flat, "data") == train.recipe(without, "data")
-    assert train.recipe({**flat, "model.unet": True}, "data") != train.recipe(without, "data")
+    flat = config.flatten(dataclasses.asdict(load_config("configs/smoke.yaml")))
+    assert set(config.RECIPE_NEUTRAL) <= set(flat)
+    without = {k: v for k, v in flat.items() if k not in config.RECIPE_NEUTRAL}
+    assert config.recipe(flat, "data") == config.recipe(without, "data")
+    assert config.recipe({**flat, "model.unet": True}, "data") != config.recipe(without, "data")

@@ -12,7 +12,7 @@ import torch
 
 import ledger
 import train
-from train import load_config
+from config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"

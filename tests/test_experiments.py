@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import config
 import ledger
 import sweep
 import train
@@ -31,13 +32,29 @@ def perturbed(value):
 
 
 def test_recipe_ignores_exactly_the_fields_that_do_not_change_learning():
-    flat = train.flatten(dataclasses.asdict(train.load_config(SMOKE)))
-    assert train.RECIPE_IGNORED <= set(flat)  # no stale names
-    base = train.recipe(flat, "data-a")
+    flat = config.flatten(dataclasses.asdict(config.load_config(SMOKE)))
+    assert config.RECIPE_IGNORED <= set(flat)  # no stale names
+    base = config.recipe(flat, "data-a")
     for key, value in flat.items():
-        changed = train.recipe({**flat, key: perturbed(value)}, "data-a") != base
-        assert changed == (key not in train.RECIPE_IGNORED), key
-    assert train.recipe(flat, "data-b") != base  # other data, other recipe
+        changed = config.recipe({**flat, key: perturbed(value)}, "data-a") != base
+        assert changed == (key not in config.RECIPE_IGNORED), key
+    assert config.recipe(flat, "data-b") != base  # other data, other recipe
+
+
+# Runs in ledger.csv whose recipe today's configs must still give: (run id, overrides on top of the row's own).
+# Rows recorded before configs/cpu.yaml turned value embeddings and the bigram table on get them off again.
+OLD_CPU = ("model.value_embed=false", "model.bigram_buckets=0")
+RECORDED = [("cpu-20261201-152908-fa5f", ()), ("mod-20261201-153204-3f75", ()), ("cpu-20261201-132541-d1b7", ()),
+            ("cpu-20261201-131516-1a69", OLD_CPU), ("anneal-20261201-060817-7f56", OLD_CPU),
+            ("aion-20261201-074210-2ebe", OLD_CPU), ("cpu-20261201-124355-f8c1", OLD_CPU),
+            ("cpu-20261201-141925-f52f", OLD_CPU)]
+
+
+@pytest.mark.parametrize("run_id, extra", RECORDED)
+def test_recipes_recorded_in_the_ledger_are_unchanged(run_id, extra):
+    (row,) = [r for r in ledger.read(ROOT / "ledger.csv") if r["run_id"] == run_id]
+    cfg = config.load_config(ROOT / row["config"], [*row["overrides"].split(), *extra])
+    assert config.recipe(config.flatten(dataclasses.asdict(cfg)), row["data_sha"]) == row["recipe"]
 
 
 def test_verdict_on_synthetic_arms():
@@ -64,11 +81,29 @@ def test_arms_are_named_by_recipe_variant_config_run_id_or_notes():
     rows.append(dict(rows[0], run_id="cpu-9", status="failed", val_bpb=""))
     assert ledger.arm(rows, "r2") == ("recipe", rows[2:4])
     assert ledger.arm(rows, "s/v") == ("sweep/variant", rows[:2])
-    assert ledger.arm(rows, "cpu")[0] == "config" and len(ledger.arm(rows, "configs/cpu.yaml")[1]) == 4
     assert ledger.arm(rows, "cpu-3") == ("run id prefix", [rows[3]])
-    assert ledger.arm(rows, "tag-a") == ("notes tag", [rows[1], rows[3]])
     with pytest.raises(ledger.LedgerError, match="no ok run"):
         ledger.arm(rows, "cpu-9")  # failed runs belong to no arm
+    for key in ("cpu", "configs/cpu.yaml", "tag-a", "cpu-"):  # an arm is one recipe, never a mix
+        with pytest.raises(ledger.LedgerError, match=f"arm '{key}' .* matches ok runs of 2 recipes; an arm must be one "
+                                                     f"recipe") as e:
+            ledger.arm(rows, key)
+        assert "\n  r1: " in str(e.value) and "\n  r2: " in str(e.value)
+
+
+def test_a_config_arm_is_the_recipe_the_file_has_now(tmp_path, capsys):
+    now = config.recipe(config.flatten(dataclasses.asdict(config.load_config(SMOKE))), "d1")
+    rows = [dict(time=f"2026-01-0{i}", run_id=f"smoke-{i}", config="configs/smoke.yaml", data_sha="d1",
+                 recipe="old" if i < 3 else now, budget_s="300", overrides="", status="ok", val_bpb=str(2 - i / 10),
+                 tokens_per_s="100")
+            for i in range(1, 6)]
+    assert ledger.arm(rows, "smoke") == ("config", rows[2:])  # the older recipe is left out
+    short = [dict(r, run_id=f"s-{r['run_id']}", recipe="short", budget_s="150", notes="short") for r in rows]
+    with pytest.raises(ledger.LedgerError, match="arm 'smoke' ran with a budget of 300 s, arm 'short' with 150 s: "
+                                                 "a verdict compares equal budgets"):
+        ledger.print_verdict(rows + short, "smoke", "short")
+    ledger.print_verdict(rows + short, "smoke", "old")
+    assert f"arm 'smoke': config, recipe {now}, budget 300 s, 3 ok runs" in capsys.readouterr().out
 
 
 def smoke_args(tmp_path, *extra):
@@ -87,7 +122,7 @@ def test_a_run_writes_its_learning_curve(tmp_path, builtin_1024):
     assert records[1]["tokens"] == 2 * 512 and all(math.isfinite(r["loss"]) for r in records[1:4])
     assert records[-1]["val_bpb"] == pytest.approx(float(row["val_bpb"]))
     assert 0 < records[0]["val_bpb"] and "curve_evals=1" in row["notes"]
-    assert row["recipe"] == train.recipe(train.flatten(dataclasses.asdict(train.load_config(SMOKE, args))),
+    assert row["recipe"] == config.recipe(config.flatten(dataclasses.asdict(config.load_config(SMOKE, args))),
                                          row["data_sha"])
 
 
@@ -126,12 +161,16 @@ def test_sweep_killed_after_its_first_run_resumes_with_the_missing_three(tmp_pat
 
 
 def test_ablation_switches_each_component_off(tmp_path, builtin_1024):
-    spec = sweep.ablation(str(ROOT / "configs" / "aion.yaml"), [1])
+    every = tmp_path / "every.yaml"  # routing, annealing with copy growth, and compile (by cpu.yaml)
+    every.write_text(f"base: {ROOT / 'configs' / 'anneal.yaml'}\nmod: {{granularity: block, layers: [1, 3], block_size: 64}}\n"
+                     f"schedule: {{grow_init: copy}}\n")
+    spec = sweep.ablation(str(every), [1])
     assert list(spec["variants"]) == ["full", "no-routing", "no-annealing", "no-depth", "no-mlp_hidden", "no-seq_len",
-                                      "no-compile"]  # aion.yaml compiles, by cpu.yaml
+                                      "zero-growth", "no-compile"]
+    assert spec["variants"]["zero-growth"] == ["schedule.grow_init=zero"]
     configs = sweep.Sweep(spec, [f"data.path={ROOT / 'data' / 'builtin'}"], nproc=1)
     assert len(set(configs.recipes.values())) == len(spec["variants"])
-    resolved = {v: train.resolve_stages(cfg) for v, cfg in configs.configs.items()}
+    resolved = {v: config.resolve_stages(cfg) for v, cfg in configs.configs.items()}
     full = resolved["full"]
     assert [s.depth for s in full] == [2, 3, 4] and len(resolved["no-annealing"]) == 1
     assert [s.depth for s in resolved["no-depth"]] == [4, 4, 4]
@@ -198,7 +237,7 @@ def test_a_sweep_resumes_only_from_a_readable_checkpoint_of_the_variants_recipe(
     ckpt.write_bytes(b"torn by a kill")
     assert not resumes()
     for extra, expected in (("model.mlp_mult=3", False), ("run.seed=1", True)):  # another recipe; the same one
-        trainer = train.Trainer(train.load_config(SMOKE, smoke_args(tmp_path, extra)))
+        trainer = train.Trainer(config.load_config(SMOKE, smoke_args(tmp_path, extra)))
         train.save_checkpoint(ckpt, trainer.state())
         trainer.loader.close()
         assert resumes() == expected

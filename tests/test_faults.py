@@ -16,7 +16,7 @@ import torch
 import data
 import ledger
 import train
-from train import load_config
+from config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"
@@ -322,6 +322,26 @@ def test_a_loss_stuck_at_the_uniform_level_is_diverged(tmp_path, builtin_1024):
     trainer.step_count, trainer.train_s = 10, 0.3 * trainer.cfg.budget.seconds
     trainer.judge(7.0)
     assert trainer.diverged == "training loss 7.0000 >= ln(model.vocab_size) = 6.9315 (a uniform guess) at p=0.300"
+
+
+def test_the_loss_is_judged_at_the_end_of_every_run(tmp_path, builtin_1024):
+    """A run ended by budget.max_steps long before STUCK_AFTER of its budget is still judged on its
+    last loss: every learning rate at 1e6 is never recorded ok; healthy short runs never flagged."""
+    absurd = [f"optim.{lr}=1e6" for lr in ("muon_lr", "embed_lr", "head_lr", "scalar_lr")]
+    assert train.main(args(tmp_path, *absurd, "budget.seconds=600", "budget.max_steps=40")) == 1
+    (row,) = ledger.read(tmp_path / "ledger.csv")
+    assert row["status"] == "diverged" and float(row["train_s"]) < 0.25 * 600
+    assert train.main(args(tmp_path, "budget.seconds=600", "budget.max_steps=40")) == 0  # the same run, sane LRs
+    assert train.main(args(tmp_path)) == 0  # the smoke run as it is: 8 steps, under STUCK_MIN_STEPS
+    assert [r["status"] for r in ledger.read(tmp_path / "ledger.csv")] == ["diverged", "ok", "ok"]
+    trainer = train.Trainer(load_config(SMOKE, args(tmp_path, "optim.warmup=0.3")[2:]))
+    trainer.loader.close()
+    trainer.step_count, trainer.train_s = 10, 0.05 * trainer.cfg.budget.seconds
+    trainer.judge(7.0, final=True)
+    assert not trainer.diverged  # still in warmup: the LR has not reached its peak
+    trainer.train_s = 0.3 * trainer.cfg.budget.seconds
+    trainer.judge(7.0, final=True)
+    assert trainer.diverged.startswith("training loss 7.0000 >= ln(model.vocab_size)")
 
 
 def test_a_diverged_run_never_overwrites_a_good_checkpoint(tmp_path, good_checkpoint, monkeypatch):

@@ -20,6 +20,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
+import config  # noqa: E402
 import kernels  # noqa: E402
 import train  # noqa: E402
 from kernels import reference  # noqa: E402
@@ -188,8 +189,8 @@ def test_explicit_choices_load_their_modules_only():
 
 
 def test_config_rejects_an_unknown_implementation():
-    with pytest.raises(train.ConfigError, match="kernels.head: expected one of auto | torch | triton | nki, got 'cuda'"):
-        train.load_config(SMOKE, ["kernels.head=cuda"])
+    with pytest.raises(config.ConfigError, match="kernels.head: expected one of auto | torch | triton | nki, got 'cuda'"):
+        config.load_config(SMOKE, ["kernels.head=cuda"])
 
 
 def test_cli_rejects_triton_on_the_cpu_before_any_work(tmp_path, capsys):
@@ -236,7 +237,7 @@ def loss_before_kernels(model, idx, targets, reduction):
 
 def small_model(kernels_=None):
     torch.manual_seed(0)
-    cfg = dataclasses.replace(train.load_config(SMOKE).model, vocab_size=100, n_embd=32)
+    cfg = dataclasses.replace(config.load_config(SMOKE).model, vocab_size=100, n_embd=32)
     model = GPT(cfg, kernels=kernels_)
     for p in model.parameters():  # zero-initialised projections would hide most of the model
         torch.nn.init.normal_(p, std=0.2)

@@ -32,7 +32,7 @@ SMOKE = ROOT / "configs" / "smoke.yaml"
     ("model", "override 'model': expected key.sub=value"),
     ("eval.tokens=10", "eval.tokens (10) must be 0 (all) or at least data.seq_len (64)"),
     ("model.n_layer.x=1", "model.n_layer: expected int, got {'x': 1}"),
-    ("mod.granularity=tiles", "mod.granularity: expected one of none | block | layer | microbatch, got 'tiles'"),
+    ("mod.granularity=tiles", "mod.granularity: expected one of none | block | token | layer | microbatch, got 'tiles'"),
     ("mod.capacity=0", "mod.capacity: expected in (0, 1], got 0.0"),
     ("mod.layers=[1,x]", "mod.layers: expected a list of integers, got (1, 'x')"),
     ("mod.granularity=block mod.layers=[]", "mod.layers: expected distinct layer indices in [0, 2) (model.n_layer), got []"),

@@ -1,0 +1,451 @@
+"""AION's configuration: nested frozen dataclasses, one per section of configs/base.yaml (where
+every default lives, once); loading (a config merged over its `base:` chain, then key.sub=value
+overrides, unknown keys answered with the closest known one); validation, naming the key, the
+value and what was expected; the annealing stages resolved against the model; and the recipe
+hash, which names what a run learns (runs of one recipe are repeats: an arm of an experiment).
+
+    cfg = load_config("configs/cpu.yaml", ["optim.muon_lr=0.02"])
+
+train.py, sweep.py and the tools import this module; it imports nothing of AION's but the
+names it checks values against (data.ORDERS, kernels.OPS and kernels.IMPLS).
+"""
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import get_type_hints
+
+import yaml
+
+import data
+import kernels
+
+ROOT = Path(__file__).resolve().parent
+BASE_CONFIG = ROOT / "configs" / "base.yaml"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str
+    seed: int
+    out_dir: str
+    log_every: int
+    precompile: bool
+    profile_steps: int
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str
+    path: str
+    tokenizer: str
+    val_fraction: float
+    seq_len: int
+    prefetch: int
+    order: str
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_kv_head: int
+    mlp_mult: int
+    mlp: str
+    tie_embeddings: bool
+    logit_softcap: float
+    rope_base: float
+    qk_gain_init: float
+    embed_init_std: float
+    value_embed: bool
+    x0_shortcut: bool
+    bigram_buckets: int
+    unet: bool
+
+
+@dataclass(frozen=True)
+class ModConfig:
+    granularity: str
+    layers: tuple
+    block_size: int
+    capacity: float
+    aux_weight: float
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    batch_tokens: int
+    micro_batch: int
+    muon_lr: float
+    muon_momentum: float
+    muon_momentum_start: float
+    muon_momentum_warmup: float
+    muon_ns_steps: int
+    embed_lr: float
+    head_lr: float
+    scalar_lr: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    warmup: float
+    warmdown: float
+    lr_floor: float
+    grad_clip: float
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    stages: tuple
+    grow_depth: str
+    grow_init: str
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One entry of schedule.stages, resolved: what a stage leaves out carries over from the one
+    before it, and the first stage's from the full model."""
+    at: float
+    depth: int
+    mlp_hidden: int
+    seq_len: int
+    attn_scale: float
+    mlp_scale: float
+    capacity: float
+    batch_tokens: int
+
+
+MLP_GRANULE = 128  # stage MLP widths are multiples of this (the Trainium partition count), or the full width
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    seconds: float
+    count_compile: bool
+    max_steps: int
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    tokens: int
+    batch_size: int
+    every_seconds: float
+    curve_tokens: int
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    type: str
+    dtype: str
+    bf16: str
+    compile: bool
+    compile_cache: str
+
+
+@dataclass(frozen=True)
+class KernelsConfig:
+    head: str
+    rmsnorm: str
+    qk_norm_rope: str
+    relu2: str
+
+
+@dataclass(frozen=True)
+class LedgerConfig:
+    path: str
+    notes: str
+    sweep: str
+    variant: str
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    path: str
+    every_seconds: float
+    resume: str
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig
+    data: DataConfig
+    model: ModelConfig
+    mod: ModConfig
+    schedule: ScheduleConfig
+    optim: OptimConfig
+    budget: BudgetConfig
+    eval: EvalConfig
+    device: DeviceConfig
+    kernels: KernelsConfig
+    ledger: LedgerConfig
+    checkpoint: CheckpointConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+positive = (lambda v: v > 0, "> 0")
+non_negative = (lambda v: v >= 0, ">= 0")
+fraction = (lambda v: 0 <= v <= 1, "in [0, 1]")
+
+
+def one_of(*choices):
+    return (lambda v: v in choices, "one of " + " | ".join(choices))
+
+
+CHECKS = {
+    "run.name": (lambda v: v not in ("", ".", "..") and Path(v).name == v, "a plain name (no '/', not empty or '..')"),
+    "run.seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2**32) (numpy's seed range)"),
+    "run.log_every": positive, "run.profile_steps": non_negative, "data.source": one_of("builtin", "shards"),
+    "data.val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"), "data.seq_len": positive,
+    "data.prefetch": non_negative, "data.order": one_of(*data.ORDERS),
+    "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
+    "model.n_layer": positive, "model.n_embd": positive, "model.n_head": positive, "model.n_kv_head": positive,
+    "model.mlp_mult": positive, "model.mlp": one_of("relu2", "swiglu"), "model.logit_softcap": non_negative,
+    "model.rope_base": positive, "mod.granularity": one_of("none", "block", "token", "layer", "microbatch"),
+    "mod.block_size": positive, "mod.capacity": (lambda v: 0 < v <= 1, "in (0, 1]"), "mod.aux_weight": non_negative,
+    "mod.layers": (lambda v: all(isinstance(i, int) and not isinstance(i, bool) for i in v), "a list of integers"),
+    "schedule.grow_depth": one_of("append", "interleave"), "schedule.grow_init": one_of("zero", "copy"), "model.embed_init_std": positive,
+    "model.bigram_buckets": (lambda v: v == 0 or v >= 2, "0 (off) or >= 2"), "optim.muon_momentum_start": fraction,
+    "optim.muon_momentum_warmup": fraction, "optim.batch_tokens": positive,
+    "optim.micro_batch": positive, "optim.muon_lr": non_negative, "optim.muon_momentum": fraction,
+    "optim.muon_ns_steps": positive, "optim.embed_lr": non_negative, "optim.head_lr": non_negative,
+    "optim.scalar_lr": non_negative, "optim.beta1": fraction, "optim.beta2": fraction,
+    "optim.weight_decay": non_negative, "optim.warmup": fraction, "optim.warmdown": fraction,
+    "optim.lr_floor": fraction, "optim.grad_clip": non_negative, "budget.seconds": positive,
+    "budget.max_steps": non_negative, "eval.tokens": non_negative, "eval.batch_size": positive,
+    "eval.every_seconds": non_negative, "eval.curve_tokens": non_negative,
+    "device.type": one_of("auto", "cpu", "cuda", "xla", "neuron"),
+    "device.dtype": one_of("auto", "float32", "bfloat16"), "device.bf16": one_of("autocast", "weights"),
+    "checkpoint.every_seconds": non_negative,
+    **{f"kernels.{op}": one_of("auto", *kernels.IMPLS) for op in kernels.OPS},
+}
+
+
+def read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(doc).__name__}")
+    return doc
+
+
+def merge(into: dict, over: dict) -> dict:
+    out = dict(into)
+    for key, value in over.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_chain(path: Path, seen=()) -> dict:
+    """A config merged over its `base:` chain; configs/base.yaml is the root of every chain."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: `base:` chain loops back to itself")
+    doc = read_yaml(path)
+    base = doc.pop("base", None)
+    if base is not None:
+        parent = load_chain(path.parent / base, seen + (path,))
+    elif path != BASE_CONFIG.resolve():
+        parent = load_chain(BASE_CONFIG)
+    else:
+        parent = {}
+    return merge(parent, doc)
+
+
+def apply_override(tree: dict, override: str) -> dict:
+    key, eq, text = override.partition("=")
+    if not eq or not key:
+        raise ConfigError(f"override {override!r}: expected key.sub=value")
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML ({e})") from None
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return merge(tree, value)
+
+
+def coerce(value, typ, key):
+    if typ is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            value = float(value)  # YAML 1.1 reads 3e-4 as a string
+        except ValueError:
+            pass
+    if typ is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+    if typ is str and value is None:
+        return ""
+    if typ is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if typ is tuple and isinstance(value, list):
+        return tuple(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
+    return value
+
+
+def build(cls, tree: dict, prefix=""):
+    hints = get_type_hints(cls)
+    for key in tree:
+        if key not in hints:
+            close = difflib.get_close_matches(key, hints, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; expected one of {', '.join(hints)}"
+            raise ConfigError(f"unknown key {prefix}{key}{hint}")
+    values = {}
+    for name, typ in hints.items():
+        key = prefix + name
+        if name not in tree:
+            raise ConfigError(f"missing key {key} (configs/base.yaml defines every key)")
+        value = tree[name]
+        if dataclasses.is_dataclass(typ):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a section (mapping), got {value!r}")
+            values[name] = build(typ, value, key + ".")
+            continue
+        value = coerce(value, typ, key)
+        if key in CHECKS and not CHECKS[key][0](value):
+            raise ConfigError(f"{key}: expected {CHECKS[key][1]}, got {value!r}")
+        values[name] = value
+    return cls(**values)
+
+
+def validate(cfg: Config):
+    m, o = cfg.model, cfg.optim
+    if m.n_embd % m.n_head or m.n_head % m.n_kv_head or (m.n_embd // m.n_head) % 2:
+        raise ConfigError(f"model: n_embd ({m.n_embd}) must split into n_head ({m.n_head}) heads of even size, "
+                          f"and n_kv_head ({m.n_kv_head}) must divide n_head")
+    if o.warmup + o.warmdown > 1:
+        raise ConfigError(f"optim.warmup + optim.warmdown must be <= 1, got {o.warmup} + {o.warmdown}")
+    if o.batch_tokens % (o.micro_batch * cfg.data.seq_len):
+        raise ConfigError(f"optim.batch_tokens ({o.batch_tokens}) must be a multiple of optim.micro_batch * "
+                          f"data.seq_len ({o.micro_batch} * {cfg.data.seq_len})")
+    if 0 < cfg.eval.tokens < cfg.data.seq_len:
+        raise ConfigError(f"eval.tokens ({cfg.eval.tokens}) must be 0 (all) or at least data.seq_len ({cfg.data.seq_len})")
+    if cfg.eval.every_seconds and cfg.eval.curve_tokens < cfg.data.seq_len:
+        raise ConfigError(f"eval.curve_tokens ({cfg.eval.curve_tokens}) must be at least data.seq_len "
+                          f"({cfg.data.seq_len}) when eval.every_seconds is set")
+    r = cfg.mod
+    if r.granularity != "none":
+        if not r.layers or len(set(r.layers)) != len(r.layers) or not all(0 <= i < m.n_layer for i in r.layers):
+            raise ConfigError(f"mod.layers: expected distinct layer indices in [0, {m.n_layer}) (model.n_layer), "
+                              f"got {list(r.layers)}")
+        if r.granularity == "block" and cfg.data.seq_len % r.block_size:
+            raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be a multiple of mod.block_size ({r.block_size})")
+    if cfg.data.source == "shards" and not cfg.data.tokenizer:
+        raise ConfigError("data.tokenizer: data.source=shards needs the sentencepiece .model of the shards")
+    resolve_stages(cfg)
+
+
+def resolve_stages(cfg: Config) -> tuple:
+    """schedule.stages -> Stage tuple, each checked against the model; no stages = one static stage."""
+    m, full_hidden = cfg.model, cfg.model.mlp_mult * cfg.model.n_embd
+    previous = Stage(0.0, m.n_layer, full_hidden, cfg.data.seq_len, 1.0, 1.0, cfg.mod.capacity, cfg.optim.batch_tokens)
+    if not cfg.schedule.stages:
+        return (previous,)
+    fields, stages = get_type_hints(Stage), []
+    for n, entry in enumerate(cfg.schedule.stages):
+        key = f"schedule.stages[{n}]"
+        if not isinstance(entry, dict) or "at" not in entry:
+            raise ConfigError(f"{key}: expected a mapping with `at` (a fraction of the budget), got {entry!r}")
+        for name in entry:
+            if name not in fields:
+                close = difflib.get_close_matches(name, fields, n=1)
+                raise ConfigError(f"unknown key {key}.{name}; " + (f"did you mean {close[0]}?" if close else
+                                                                   f"expected one of {', '.join(fields)}"))
+        stage = dataclasses.replace(previous, **{k: coerce(v, fields[k], f"{key}.{k}") for k, v in entry.items()})
+        rows = stage_rows(cfg, stage)
+        least = previous if n else Stage(0.0, 1, 1, 1, 0.0, 0.0, 0.0, 1)  # growth only: from the stage before
+        copy = cfg.schedule.grow_init == "copy"
+        problems = [
+            (n == 0 and stage.at != 0, "at: the first stage must be at 0"),
+            (n > 0 and not previous.at < stage.at < 1, f"at: expected increasing values in (0, 1), after {previous.at}"),
+            (not least.depth <= stage.depth <= m.n_layer,
+             f"depth: expected {least.depth}..{m.n_layer} (growing, at most model.n_layer)"),
+            (not least.mlp_hidden <= stage.mlp_hidden <= full_hidden
+             or (stage.mlp_hidden % MLP_GRANULE and stage.mlp_hidden != full_hidden),
+             f"mlp_hidden: expected a multiple of {MLP_GRANULE} or {full_hidden} (model.mlp_mult * model.n_embd), "
+             f"growing from {least.mlp_hidden}"),
+            (n > 0 and copy and stage.depth > 2 * previous.depth,
+             f"depth: schedule.grow_init=copy copies active layers, so a stage at most doubles the depth "
+             f"({previous.depth} before it)"),
+            (copy and cfg.schedule.grow_depth != "append", "depth: schedule.grow_init=copy needs schedule.grow_depth=append"),
+            (stage.seq_len <= 0 or stage.batch_tokens <= 0 or rows != int(rows) or rows < 1,
+             f"seq_len, batch_tokens: the micro-batch's sequences, optim.micro_batch * data.seq_len * batch_tokens / "
+             f"(optim.batch_tokens * seq_len) = {cfg.optim.micro_batch} * {cfg.data.seq_len} * {stage.batch_tokens} / "
+             f"({cfg.optim.batch_tokens} * {stage.seq_len}), must be a whole number"),
+            (cfg.mod.granularity == "block" and stage.seq_len % cfg.mod.block_size,
+             f"seq_len: expected a multiple of mod.block_size ({cfg.mod.block_size})"),
+            (min(stage.attn_scale, stage.mlp_scale) < 0, "attn_scale, mlp_scale: expected >= 0"),
+            (not 0 < stage.capacity <= 1, "capacity: expected in (0, 1]"),
+            ("capacity" in entry and cfg.mod.granularity == "none", "capacity: needs mod.granularity other than none"),
+        ]
+        for failed, message in problems:
+            if failed:
+                raise ConfigError(f"{key}.{message}, got {entry}")
+        stages.append(previous := stage)
+    return tuple(stages)
+
+
+def stage_rows(cfg: Config, stage: Stage) -> float:
+    """Sequences per micro-batch in a stage (whole in a valid stage): the tokens per micro-batch
+    scale with the stage's tokens per step (the accumulation steps stay), cut into seq_len rows."""
+    return cfg.optim.micro_batch * cfg.data.seq_len * stage.batch_tokens / (cfg.optim.batch_tokens * stage.seq_len)
+
+
+def depth_order(n_layer: int, policy: str) -> list:
+    """The order in which blocks become active as depth grows: append (at the end) or interleave
+    (even blocks first, then the odd ones between them)."""
+    return list(range(n_layer)) if policy == "append" else list(range(0, n_layer, 2)) + list(range(1, n_layer, 2))
+
+
+def load_config(path, overrides=()) -> Config:
+    tree = load_chain(Path(path))
+    for override in overrides:
+        tree = apply_override(tree, override)
+    cfg = build(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+def flatten(tree: dict, prefix="") -> dict:
+    out = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return out
+
+
+# Config keys that cannot change what a run learns: seeds, names, paths, notes and tags, and logging,
+# checkpointing, profiling and evaluation cadence (their time is kept out of the budget). Runs whose configs
+# differ only here are repeats of one recipe: an arm of an experiment.
+RECIPE_IGNORED = frozenset([
+    "run.name", "run.seed", "run.out_dir", "run.log_every", "run.precompile", "run.profile_steps",
+    "data.path", "data.tokenizer", "data.prefetch", "eval.batch_size", "eval.every_seconds", "eval.curve_tokens",
+    "device.compile_cache", "ledger.path", "ledger.notes", "ledger.sweep", "ledger.variant", "checkpoint.path",
+    "checkpoint.every_seconds", "checkpoint.resume",
+])
+
+
+# Keys added after runs were recorded. At its configs/base.yaml value (where each changes nothing) such a
+# key is left out of the hash, so a config that does not use it keeps the recipe its earlier rows have.
+RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_buckets", "model.unet",
+                  "optim.muon_momentum_start", "optim.muon_momentum_warmup", "schedule.grow_init")
+
+
+def recipe(flat_config: dict, data_sha: str) -> str:
+    """12 hex digits naming what is learned: the flattened config without RECIPE_IGNORED (and the
+    RECIPE_NEUTRAL keys at their base.yaml value), and the data fingerprint (which stands for the
+    data paths)."""
+    neutral = flatten(load_chain(BASE_CONFIG))
+    kept = {k: v for k, v in flat_config.items()
+            if k not in RECIPE_IGNORED and not (k in RECIPE_NEUTRAL and v == neutral[k])}
+    return hashlib.sha256(json.dumps([kept, data_sha], sort_keys=True, default=list).encode()).hexdigest()[:12]

@@ -1,0 +1,1 @@
+"""Tools run from the repository root with `python -m tools.<name>`; not part of the library."""
