@@ -46,7 +46,7 @@ def test_recipe_ignores_exactly_the_fields_that_do_not_change_learning():
 OLD_CPU = ("model.value_embed=false", "model.bigram_buckets=0")
 RECORDED = [("cpu-20261201-152908-fa5f", ()), ("mod-20261201-153204-3f75", ()), ("cpu-20261201-132541-d1b7", ()),
             ("cpu-20261201-131516-1a69", OLD_CPU), ("anneal-20261201-060817-7f56", OLD_CPU),
-            ("aion-20261201-074210-2ebe", OLD_CPU), ("cpu-20261201-124355-f8c1", OLD_CPU),
+            ("mod-20261201-155929-e170", ()), ("cpu-20261201-124355-f8c1", OLD_CPU),
             ("cpu-20261201-141925-f52f", OLD_CPU)]
 
 
