@@ -11,6 +11,7 @@ names it checks values against (data.ORDERS, kernels.OPS and kernels.IMPLS).
 """
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import math
@@ -441,11 +442,17 @@ RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_bucket
                   "optim.muon_momentum_start", "optim.muon_momentum_warmup", "schedule.grow_init")
 
 
+@functools.cache
+def base_values() -> dict:
+    """configs/base.yaml, flattened: read once per process."""
+    return flatten(load_chain(BASE_CONFIG))
+
+
 def recipe(flat_config: dict, data_sha: str) -> str:
     """12 hex digits naming what is learned: the flattened config without RECIPE_IGNORED (and the
     RECIPE_NEUTRAL keys at their base.yaml value), and the data fingerprint (which stands for the
     data paths)."""
-    neutral = flatten(load_chain(BASE_CONFIG))
+    neutral = base_values()
     kept = {k: v for k, v in flat_config.items()
             if k not in RECIPE_IGNORED and not (k in RECIPE_NEUTRAL and v == neutral[k])}
     return hashlib.sha256(json.dumps([kept, data_sha], sort_keys=True, default=list).encode()).hexdigest()[:12]

@@ -113,6 +113,9 @@ class Block(nn.Module):
         return x + self.mlp_scale * self.mlp(self.kernels.rmsnorm(x))
 
 
+TILED = ("block", "token")  # granularities that route units of a sequence through a TileRouter
+
+
 def units_selected(capacity: float, n: int) -> int:
     """k = ceil(capacity * n), the static number of units (tiles, sequences) routed through. The
     product is rounded first so float error (0.3 * 10 = 3.0000000000000004) adds no unit."""
@@ -236,9 +239,8 @@ class GPT(nn.Module):
         self.bigram = nn.Parameter(torch.empty(cfg.bigram_buckets, cfg.n_embd)) if cfg.bigram_buckets else None
         self.blocks = nn.ModuleList(Block(cfg, self.kernels, i in self.ve_layers) for i in range(cfg.n_layer))
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        tiled = self.granularity in ("block", "token")
-        self.routers = nn.ModuleDict({str(i): TileRouter(cfg.n_embd, 1, True) if self.granularity == "token"
-                                      else TileRouter(cfg.n_embd, mod.block_size) for i in self.routed if tiled})
+        self.routers = nn.ModuleDict({str(i): TileRouter(cfg.n_embd, tile_size(mod), self.granularity == "token")
+                                      for i in self.routed if self.granularity in TILED})
         layer_routed = self.routed if self.granularity == "layer" else ()
         self.gates = nn.ParameterDict({str(i): nn.Parameter(torch.ones(())) for i in layer_routed})
         self.set_capacity(1.0 if mod is None else mod.capacity)
@@ -306,7 +308,7 @@ class GPT(nn.Module):
             ve = values if i in self.ve_layers else None
             if i not in self.routed:
                 x = block(x, ve=ve)
-            elif self.granularity in ("block", "token"):
+            elif self.granularity in TILED:
                 k = units_selected(self.capacity, x.size(1) // self.routers[str(i)].block_size)
                 x, bce = self.routers[str(i)](block, x, k, ve)
                 aux = aux + bce
@@ -397,7 +399,7 @@ def param_count(model: nn.Module) -> int:
 def routed_share(mod, seq_len: int) -> float:
     """Share of a routed layer's tokens that go through it: realised ceil(c * n) / n tiles for
     block and token routing; the capacity for layer (its long-run share) and microbatch (B is not known)."""
-    if mod.granularity in ("block", "token"):
+    if mod.granularity in TILED:
         n = seq_len // tile_size(mod)
         return units_selected(mod.capacity, n) / n
     return mod.capacity
@@ -437,7 +439,7 @@ def flops_per_token(cfg, seq_len: int, mod=None, layers=None, mlp_hidden=None) -
     attention = L * layer_attention
     if mod is not None and mod.granularity != "none":
         routed, share = len(set(mod.layers) & set(layers)), routed_share(mod, seq_len)
-        tiled = mod.granularity in ("block", "token")
+        tiled = mod.granularity in TILED
         attention_share = share ** 2 if tiled else share
         matmul_params -= routed * (1 - share) * layer_params
         attention -= routed * (1 - attention_share) * layer_attention
