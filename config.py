@@ -128,6 +128,9 @@ class BudgetConfig:
     seconds: float
     count_compile: bool
     max_steps: int
+    clock: str
+    calibration: str
+    reference_step_ms: float
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,8 @@ CHECKS = {
     "optim.scalar_lr": non_negative, "optim.beta1": fraction, "optim.beta2": fraction,
     "optim.weight_decay": non_negative, "optim.warmup": fraction, "optim.warmdown": fraction,
     "optim.lr_floor": fraction, "optim.grad_clip": non_negative, "budget.seconds": positive,
-    "budget.max_steps": non_negative, "eval.tokens": non_negative, "eval.batch_size": positive,
+    "budget.max_steps": non_negative, "budget.clock": one_of("wall", "calibrated"),
+    "budget.reference_step_ms": non_negative, "eval.tokens": non_negative, "eval.batch_size": positive,
     "eval.every_seconds": non_negative, "eval.curve_tokens": non_negative,
     "device.type": one_of("auto", "cpu", "cuda", "xla", "neuron"),
     "device.dtype": one_of("auto", "float32", "bfloat16"), "device.bf16": one_of("autocast", "weights"),
@@ -342,6 +346,12 @@ def validate(cfg: Config):
                               f"got {list(r.layers)}")
         if r.granularity == "block" and cfg.data.seq_len % r.block_size:
             raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be a multiple of mod.block_size ({r.block_size})")
+    b = cfg.budget
+    if b.clock == "calibrated" and (not b.calibration or b.count_compile):
+        raise ConfigError("budget.clock=calibrated needs budget.calibration (a calibration file, made by python sweep.py "
+                          "SWEEP --calibrate-only) and budget.count_compile=false (compile time is not calibrated)")
+    if b.clock == "wall" and (b.calibration or b.reference_step_ms):
+        raise ConfigError("budget.calibration and budget.reference_step_ms need budget.clock=calibrated")
     if cfg.data.source == "shards" and not cfg.data.tokenizer:
         raise ConfigError("data.tokenizer: data.source=shards needs the sentencepiece .model of the shards")
     resolve_stages(cfg)
@@ -426,20 +436,22 @@ def flatten(tree: dict, prefix="") -> dict:
 
 
 # Config keys that cannot change what a run learns: seeds, names, paths, notes and tags, and logging,
-# checkpointing, profiling and evaluation cadence (their time is kept out of the budget). Runs whose configs
-# differ only here are repeats of one recipe: an arm of an experiment.
+# checkpointing, profiling and evaluation cadence (their time is kept out of the budget), and the clock (the
+# ledger's clock and calibration columns keep runs of other clocks apart). Runs whose configs differ only here
+# are repeats of one recipe: an arm of an experiment.
 RECIPE_IGNORED = frozenset([
     "run.name", "run.seed", "run.out_dir", "run.log_every", "run.precompile", "run.profile_steps",
     "data.path", "data.tokenizer", "data.prefetch", "eval.batch_size", "eval.every_seconds", "eval.curve_tokens",
     "device.compile_cache", "ledger.path", "ledger.notes", "ledger.sweep", "ledger.variant", "checkpoint.path",
-    "checkpoint.every_seconds", "checkpoint.resume",
+    "checkpoint.every_seconds", "checkpoint.resume", "budget.clock", "budget.calibration",
 ])
 
 
 # Keys added after runs were recorded. At its configs/base.yaml value (where each changes nothing) such a
 # key is left out of the hash, so a config that does not use it keeps the recipe its earlier rows have.
 RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_buckets", "model.unet",
-                  "optim.muon_momentum_start", "optim.muon_momentum_warmup", "schedule.grow_init")
+                  "optim.muon_momentum_start", "optim.muon_momentum_warmup", "schedule.grow_init",
+                  "budget.reference_step_ms")
 
 
 @functools.cache

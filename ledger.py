@@ -29,7 +29,8 @@ COLUMNS = [
     "world_size", "seed", "data_sha", "params", "active_params", "budget_s", "train_s",
     "compile_s", "data_wait_s", "eval_s", "steps", "tokens", "tokens_per_s", "step_ms_p50",
     "flops_per_token", "mfu", "val_loss", "val_bpb", "val_tokens", "val_bytes", "xla_compiles",
-    "peak_mem_mb", "stages", "status", "recipe", "sweep", "variant", "profile", "notes",
+    "peak_mem_mb", "stages", "status", "recipe", "sweep", "variant", "profile", "machine", "clock",
+    "calibration", "step_cost_ms", "notes",
 ]
 STATUSES = ("ok", "diverged", "failed", "interrupted")
 # Columns where `compare` prints a B - A delta; ids, hashes and seeds look numeric but are not.
@@ -221,11 +222,16 @@ ARM_KINDS = ("recipe", "sweep/variant", "config", "run id prefix", "notes tag")
 
 def arm(rows, key):
     """-> (kind, rows): the ok runs with a val_bpb that `key` names, trying in turn a recipe, SWEEP/VARIANT,
-    a config (path, file name or stem), a run id prefix and a notes substring; the first kind that
-    matches any run wins. An arm is one recipe: a config names its runs of the recipe the file has
-    now (overrides that change what is learned make other recipes); a name matching runs of
-    several recipes is refused, with the recipes listed."""
+    a config, a run id prefix and a notes substring; the first kind that matches any run wins. An arm
+    is one recipe. A config file (a path, or a name under configs/, with or without .yaml) names the
+    runs of the recipe the file has now, whatever config they were recorded under (overrides that
+    change what is learned make other recipes; none of its recipe: the closest ones are named). A
+    config name with no file, and the other kinds, matching runs of several recipes are refused,
+    with the recipes listed."""
     ok = [r for r in rows if r.get("status") == "ok" and r.get("val_bpb")]
+    path = config_file(key)
+    if path and not any(r.get("recipe") == key or f"{r.get('sweep')}/{r.get('variant', '')}" == key for r in ok):
+        return "config", config_runs(ok, path)
     tests = (lambda r: r.get("recipe") == key,
              lambda r: r.get("sweep") and f"{r['sweep']}/{r.get('variant', '')}" == key,
              lambda r: key in (r["config"], Path(r["config"]).name, Path(r["config"]).stem),
@@ -233,98 +239,191 @@ def arm(rows, key):
              lambda r: key in r.get("notes", ""))
     for kind, test in zip(ARM_KINDS, tests):
         found = [r for r in ok if test(r)]
-        if found and kind == "config":
-            found = current_recipe(found)
-        recipes = {}
-        for r in found:
-            recipes.setdefault(r.get("recipe") or "?", []).append(r)
+        recipes = by_recipe(found)
         if len(recipes) > 1:
-            newest = sorted(recipes.items(), key=lambda item: item[1][-1].get("time", ""), reverse=True)
-            listing = [f"  {name}: {len(runs)} runs, budget {runs[0].get('budget_s', '?')} s, {runs[-1]['config']} "
-                       f"{runs[-1].get('overrides') or '-'}, last {runs[-1].get('time', '?')}" for name, runs in newest[:10]]
-            more = [f"  ... and {len(newest) - 10} more"] if len(newest) > 10 else []
             raise LedgerError(f"arm {key!r} ({kind}) matches ok runs of {len(recipes)} recipes; an arm must be one "
-                              f"recipe: name it by its recipe (or SWEEP/VARIANT). Newest first:\n" + "\n".join(listing + more))
+                              f"recipe: name it by its recipe (or SWEEP/VARIANT). Newest first:\n" + listing(recipes))
         if found:
             return kind, found
     raise LedgerError(f"no ok run with a val_bpb matches arm {key!r} (tried: {', '.join(ARM_KINDS)})")
 
 
-def current_recipe(found):
-    """A config's runs of the recipe its file has now, for any of the runs' data; all of them if the file
-    cannot be loaded or none is of that recipe."""
-    from config import ConfigError, flatten, load_config, recipe
-    path = Path(found[-1]["config"])
+def by_recipe(rows) -> dict:
+    """{recipe: its rows}, the recipe with the newest run first."""
+    recipes = {}
+    for r in rows:
+        recipes.setdefault(r.get("recipe") or "?", []).append(r)
+    return dict(sorted(recipes.items(), key=lambda item: item[1][-1].get("time", ""), reverse=True))
+
+
+def listing(recipes: dict, limit=10, differs=None) -> str:
+    lines = [f"  {name}: {len(runs)} runs, budget {runs[0].get('budget_s', '?')} s, {runs[-1]['config']} "
+             f"{runs[-1].get('overrides') or '-'}, last {runs[-1].get('time', '?')}"
+             + (f"; differs in {differs[name]}" if differs else "") for name, runs in list(recipes.items())[:limit]]
+    return "\n".join(lines + ([f"  ... and {len(recipes) - limit} more"] if len(recipes) > limit else []))
+
+
+def config_file(key):
+    """The config file `key` names (a path, or configs/KEY or configs/KEY.yaml beside this file), or None."""
+    here = Path(__file__).resolve().parent
+    for path in (Path(key), here / key, here / "configs" / key, here / "configs" / f"{key}.yaml"):
+        if path.suffix in (".yaml", ".yml") and path.is_file():
+            return path
+    return None
+
+
+def config_runs(ok, path):
+    """The ok runs of the recipe the config file has now, for any of the ledger's data; none: the error
+    names the closest recipes (fewest differing config keys, from each run's config and overrides)."""
+    from config import RECIPE_IGNORED, ConfigError, flatten, load_config, recipe
+
+    def flat(config, overrides=()):
+        try:
+            return flatten(dataclasses.asdict(load_config(config, overrides)))
+        except (ConfigError, OSError):
+            return None
     try:
-        flat = flatten(dataclasses.asdict(load_config(path if path.is_absolute() else Path(__file__).parent / path)))
-    except (ConfigError, OSError):
+        now = flatten(dataclasses.asdict(load_config(path)))
+    except ConfigError as e:
+        raise LedgerError(f"{path}: {e}") from None
+    recipes = {recipe(now, sha) for sha in {r.get("data_sha", "") for r in ok}}
+    found = [r for r in ok if r.get("recipe") in recipes]
+    if found:
         return found
-    now = {recipe(flat, sha) for sha in {r.get("data_sha", "") for r in found}}
-    return [r for r in found if r.get("recipe") in now] or found
+    here, recipes_run, differs = Path(__file__).resolve().parent, by_recipe(ok), {}
+    for name, runs in recipes_run.items():
+        then = flat(here / runs[-1]["config"], runs[-1].get("overrides", "").split())
+        if then is not None:
+            differs[name] = sorted(k for k in now if k not in RECIPE_IGNORED and then.get(k) != now[k])
+    closest = dict(sorted(((n, recipes_run[n]) for n in differs), key=lambda item: len(differs[item[0]]))[:3])
+    raise LedgerError(f"no ok run of the recipe {path} has now ({', '.join(sorted(recipes)) or 'no data in the ledger'})"
+                      f"; the closest recipes:\n" + listing(closest, differs={
+        n: ", ".join(differs[n]) or "no config key (another corpus or an older version of the code)" for n in closest}))
 
 
-def seeds_needed(diff, sd):
-    """Runs per arm for a two-sided Welch test at ALPHA to detect `diff` with power POWER when
-    both arms have standard deviation sd (noncentral t); None if there is no difference to find."""
+def timebase(row) -> str:
+    """What a row's training seconds were: 'calibrated <calibration id>', or 'wall <machine>'."""
+    if row.get("clock") == "calibrated":
+        return f"calibrated {row.get('calibration')}"
+    return f"wall {row.get('machine') or '(machine not recorded)'}"
+
+
+def seeds_needed(diff, sd, paired=False):
+    """Runs per arm (pairs when paired) for a two-sided t-test at ALPHA to detect `diff` with power
+    POWER (noncentral t): Welch's with standard deviation sd in both arms, or the paired test with
+    sd the spread of the per-seed differences; None if there is no difference to find."""
     from scipy import stats
     if not diff or not math.isfinite(diff) or not math.isfinite(sd):
         return None
     for n in range(2, MAX_SEEDS + 1):
-        df, ncp = 2 * n - 2, abs(diff) / (sd * math.sqrt(2 / n)) if sd else math.inf
+        df, spread = (n - 1, sd / math.sqrt(n)) if paired else (2 * n - 2, sd * math.sqrt(2 / n))
+        ncp = abs(diff) / spread if sd else math.inf
         critical = stats.t.ppf(1 - ALPHA / 2, df)
         if ncp == math.inf or stats.nct.sf(critical, df, ncp) + stats.nct.cdf(-critical, df, ncp) >= POWER:
             return n
     return MAX_SEEDS + 1
 
 
-def verdict(a, b, higher_is_better):
-    """Arm B against arm A (lists of floats): means, spreads, B - A with its 95 % confidence
-    interval and Welch's t-test p-value (scipy), and keep (B better, p < ALPHA) | revert (B worse,
+def verdict(a, b, higher_is_better, paired=False):
+    """Arm B against arm A (lists of floats; paired: a[i] and b[i] are one seed's): means, spreads,
+    B - A with its 95 % confidence interval and the p-value of Welch's t-test or, paired, of the
+    t-test on the per-seed differences (scipy), and keep (B better, p < ALPHA) | revert (B worse,
     p < ALPHA) | inconclusive, with the runs per arm that would resolve a difference of this size."""
     from scipy import stats
     out = dict(n_a=len(a), mean_a=statistics.fmean(a), sd_a=statistics.stdev(a) if len(a) > 1 else math.nan,
-               n_b=len(b), mean_b=statistics.fmean(b), sd_b=statistics.stdev(b) if len(b) > 1 else math.nan)
+               n_b=len(b), mean_b=statistics.fmean(b), sd_b=statistics.stdev(b) if len(b) > 1 else math.nan,
+               test="paired t-test" if paired else "Welch's t-test")
     out["diff"] = out["mean_b"] - out["mean_a"]
     out["low"] = out["high"] = out["p"] = math.nan
-    if len(a) > 1 and len(b) > 1 and (out["sd_a"] or out["sd_b"]):
-        test = stats.ttest_ind(b, a, equal_var=False)
+    sd = statistics.stdev([y - x for x, y in zip(a, b)]) if paired and len(a) > 1 else math.sqrt(
+        (out["sd_a"] ** 2 + out["sd_b"] ** 2) / 2)
+    if len(a) > 1 and len(b) > 1 and sd:
+        test = stats.ttest_rel(b, a) if paired else stats.ttest_ind(b, a, equal_var=False)
         out["p"] = float(test.pvalue)
         out["low"], out["high"] = test.confidence_interval(1 - ALPHA)
     better = out["diff"] > 0 if higher_is_better else out["diff"] < 0
     out["verdict"] = ("inconclusive" if not out["p"] < ALPHA else "keep" if better else "revert")
-    sd = math.sqrt((out["sd_a"] ** 2 + out["sd_b"] ** 2) / 2)
-    out["seeds"] = seeds_needed(out["diff"], sd)
+    out["seeds"] = seeds_needed(out["diff"], sd, paired)
     return out
 
 
 METRICS = (("val_bpb", False), ("tokens_per_s", True))  # (column, higher is better)
 
 
-def verdict_lines(name_a, rows_a, name_b, rows_b):
-    """The verdict table of B against A for every column of METRICS."""
-    lines = [["metric", "arm", "n", "mean", "sd", "B - A", "95% CI", "p", "verdict", "seeds/arm"]]
+def judge(rows_a, rows_b) -> dict:
+    """{column of METRICS: verdict} of B against A, and "pairs": the seeds both arms ran. With at least
+    two, the runs are paired seed by seed (a seed run more than once counts with its mean) and the
+    runs of other seeds left out; else every run counts, unpaired."""
+    def per_seed(rows, column):
+        seeds = {}
+        for r in rows:
+            seeds.setdefault(r.get("seed"), []).append(float(r[column]))
+        return {seed: statistics.fmean(values) for seed, values in seeds.items()}
+    common = sorted(set(per_seed(rows_a, "val_bpb")) & set(per_seed(rows_b, "val_bpb")) - {None, ""}, key=str)
+    out = dict(pairs=common if len(common) > 1 else [])
     for column, higher in METRICS:
-        v = verdict([float(r[column]) for r in rows_a], [float(r[column]) for r in rows_b], higher)
+        if out["pairs"]:
+            a, b = per_seed(rows_a, column), per_seed(rows_b, column)
+            out[column] = verdict([a[s] for s in common], [b[s] for s in common], higher, paired=True)
+        else:
+            out[column] = verdict([float(r[column]) for r in rows_a], [float(r[column]) for r in rows_b], higher)
+    return out
+
+
+def verdict_lines(name_a, rows_a, name_b, rows_b):
+    """The verdict table of B against A for every column of METRICS, and the line saying which test."""
+    judged = judge(rows_a, rows_b)
+    lines = [["metric", "arm", "n", "mean", "sd", "B - A", "95% CI", "p", "verdict", "seeds/arm"]]
+    for column, _ in METRICS:
+        v = judged[column]
         seeds = ("-" if v["seeds"] is None else f">{MAX_SEEDS}" if v["seeds"] > MAX_SEEDS else str(v["seeds"]))
         lines.append([column, f"A {name_a}", str(v["n_a"]), f"{v['mean_a']:.6g}", f"{v['sd_a']:.3g}", "", "", "", "", ""])
         lines.append(["", f"B {name_b}", str(v["n_b"]), f"{v['mean_b']:.6g}", f"{v['sd_b']:.3g}", f"{v['diff']:+.4g}",
                       f"[{v['low']:+.4g}, {v['high']:+.4g}]", f"{v['p']:.3g}", v["verdict"], seeds])
-    return lines
+    return lines, test_line(judged, len(rows_a) + len(rows_b))
 
 
-def print_verdict(rows, key_a, key_b):
+def test_line(judged, runs) -> str:
+    pairs = judged["pairs"]
+    if not pairs:
+        return "Welch's t-test (unpaired: the arms share fewer than two seeds)"
+    left = runs - sum(judged["val_bpb"][n] for n in ("n_a", "n_b"))
+    return (f"paired t-test on the per-seed differences, seeds {', '.join(map(str, pairs))}"
+            + (f" ({left} runs of other seeds or repeats averaged or left out)" if left else ""))
+
+
+def print_verdict(rows, key_a, key_b, chosen=None):
+    """Arm B against arm A under one timebase (one clock and calibration, or one machine's wall clock):
+    `chosen`, else the one both arms ran under (calibrated first, then the newest)."""
     arms = [arm(rows, key) for key in (key_a, key_b)]
+    groups = [{} for _ in arms]
+    for (_, found), group in zip(arms, groups):
+        for r in found:
+            group.setdefault(timebase(r), []).append(r)
+    common = [t for t in groups[0] if t in groups[1]]
+    described = "; ".join(f"arm {k!r}: " + ", ".join(f"{t} ({len(g[t])} runs)" for t in g)
+                          for k, g in zip((key_a, key_b), groups))
+    if chosen and chosen not in common:
+        raise LedgerError(f"--timebase {chosen!r}: not one both arms ran under ({described})")
+    if not common:
+        raise LedgerError(f"the arms ran under no common clock: a verdict never mixes clocks or calibrations "
+                          f"({described})")
+    chosen = chosen or max(common, key=lambda t: (t.startswith("calibrated"),
+                                                  max(r.get("time", "") for g in groups for r in g[t])))
+    arms = [(kind, group[chosen]) for (kind, _), group in zip(arms, groups)]
     budgets = [arm_rows[0]["budget_s"] for _, arm_rows in arms]  # one recipe: one budget
     if budgets[0] != budgets[1]:
         raise LedgerError(f"arm {key_a!r} ran with a budget of {budgets[0]} s, arm {key_b!r} with {budgets[1]} s: "
                           f"a verdict compares equal budgets")
+    print(f"timebase: {chosen}" + (f" (also in common: {'; '.join(t for t in common if t != chosen)}; "
+                                   f"pick one with --timebase)" if len(common) > 1 else ""))
     for key, (kind, found) in zip((key_a, key_b), arms):
         print(f"arm {key!r}: {kind}, recipe {found[0].get('recipe') or '?'}, budget {found[0]['budget_s']} s, "
               f"{len(found)} ok runs")
-    arms = [found for _, found in arms]
-    print(_table(verdict_lines(key_a, arms[0], key_b, arms[1])))
-    print(f"keep: B better with p < {ALPHA} (Welch's t-test); revert: B worse with p < {ALPHA}; seeds/arm: runs per "
-          f"arm that detect a difference of this size at this spread with power {POWER}")
+    lines, test = verdict_lines(key_a, arms[0][1], key_b, arms[1][1])
+    print(_table(lines))
+    print(f"{test}; keep: B better with p < {ALPHA}; revert: B worse with p < {ALPHA}; seeds/arm: runs per arm "
+          f"(pairs when paired) that detect a difference of this size at this spread with power {POWER}")
 
 
 # -- plots ---------------------------------------------------------------------------------------
@@ -397,6 +496,8 @@ def main(argv=None):
     verdict_parser = commands.add_parser("verdict", help="arm B against arm A, with the seed noise taken into account")
     verdict_parser.add_argument("arm_a", help="recipe, SWEEP/VARIANT, config, run id prefix or notes tag")
     verdict_parser.add_argument("arm_b")
+    verdict_parser.add_argument("--timebase", help="the clock to judge under, as the verdict prints it "
+                                "(e.g. 'calibrated 3fa2c1d0e9ab'); default: calibrated first, then the newest")
     plot_parser = commands.add_parser("plot", help="PNG plots: learning curves of arms, or val_bpb per sweep variant")
     plot_parser.add_argument("what", choices=("curves", "variants"))
     plot_parser.add_argument("names", nargs="+", help="curves: arms (each named as for verdict); variants: a sweep name")
@@ -431,7 +532,7 @@ def main(argv=None):
         if args.command == "compare":
             compare(rows, args.run_a, args.run_b)
         elif args.command == "verdict":
-            print_verdict(rows, args.arm_a, args.arm_b)
+            print_verdict(rows, args.arm_a, args.arm_b, args.timebase)
         elif args.what == "curves":
             plot_curves({key: arm(rows, key)[1] for key in args.names}, args.out, args.runs_dir)
         else:

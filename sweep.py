@@ -2,8 +2,8 @@
 ledger with its sweep and variant, resumable after a kill, ending with the verdict table of every
 variant against the baseline (and its plots) in <sweep file's folder>/<name>/.
 
-    python sweep.py sweeps/batch_order.yaml [--nproc N] [--max-runs N] [key.sub=value ...]
-    python sweep.py --ablate configs/aion.yaml [--seeds 1337 7] [--nproc N] [key.sub=value ...]
+    python sweep.py sweeps/batch_order.yaml [--nproc N] [--max-runs N] [--calibrate-only] [key.sub=value ...]
+    python sweep.py --ablate configs/aion.yaml [--seeds 1337 7] [--clock calibrated] [--nproc N] [key.sub=value ...]
 
 A sweep file (YAML):
     name: batch_order                  # the ledger's `sweep` column
@@ -11,6 +11,7 @@ A sweep file (YAML):
     seeds: [1337, 7]                   # every variant runs once per seed
     overrides: [budget.seconds=600]    # optional: for every variant, before its own
     baseline: contiguous               # optional (default: the first variant): what the others are judged against
+    clock: calibrated                  # optional (default wall): see below
     variants:                          # name: its overrides, or {config: another config file, overrides: [...]}
       contiguous: [data.order=contiguous]
       shuffle: [data.order=shuffle]
@@ -18,6 +19,14 @@ A sweep file (YAML):
       optim.muon_lr: [0.02, 0.08]
 
 Overrides after the sweep file apply to every run (and so change the recipes: another arm).
+
+`clock: calibrated` runs every run under the calibrated clock (clock.py): first, alone on the
+machine, the calibration of every variant (each stage's median step time after warm-up, in
+interleaved rounds) into <name>/calibration-<machine hash>.json, which a resumed sweep reuses and
+extends with the variants it lacks; on another machine it is measured again. The runs themselves
+then give the same steps and results however busy the machine is; only the calibration needs it
+alone. `--calibrate-only` stops after the calibration (a file a single run can take too:
+budget.clock=calibrated budget.calibration=FILE).
 A (variant, seed) pair with an ok or diverged row of the variant's recipe is done and skipped; one
 whose checkpoint exists resumes from it. Ctrl-C (SIGINT) or SIGTERM: the running train.py saves a
 checkpoint and writes an `interrupted` row, then the sweep stops; run the same command to resume.
@@ -31,6 +40,7 @@ component's contribution: the full system (B) against the system without it (A).
 """
 import argparse
 import dataclasses
+import hashlib
 import itertools
 import math
 import signal
@@ -43,6 +53,7 @@ from pathlib import Path
 import torch
 import yaml
 
+import clock
 import kernels
 import ledger
 import train
@@ -75,10 +86,12 @@ def load_sweep(path: Path) -> dict:
         raise SweepError(f"{path}: cannot read a sweep from it: {e}") from None
     if not isinstance(doc, dict):
         raise SweepError(f"{path}: expected a mapping with name, config, seeds and variants")
-    unknown = set(doc) - {"name", "config", "seeds", "overrides", "baseline", "variants", "grid"}
+    unknown = set(doc) - {"name", "config", "seeds", "overrides", "baseline", "variants", "grid", "clock"}
     if unknown:
         raise SweepError(f"{path}: unknown keys {', '.join(sorted(unknown))}; expected name, config, seeds, "
-                         f"overrides, baseline, variants, grid")
+                         f"overrides, baseline, variants, grid, clock")
+    if doc.get("clock", "wall") not in ("wall", "calibrated"):
+        raise SweepError(f"{path}: clock: expected wall or calibrated, got {doc['clock']!r}")
     name = plain_name(doc.get("name"), f"{path}: name")
     seeds = doc.get("seeds")
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds):
@@ -113,10 +126,10 @@ def load_sweep(path: Path) -> dict:
         raise SweepError(f"{path}: config: expected the path of a config file")
     return dict(name=name, config=doc["config"], seeds=seeds, overrides=overrides(doc.get("overrides") or [], "overrides"),
                 baseline=baseline, variants=variants, variant_configs=variant_configs, out=path.parent / name,
-                ablation=False)
+                ablation=False, clock=doc.get("clock", "wall"))
 
 
-def ablation(config: str, seeds: list) -> dict:
+def ablation(config: str, seeds: list, clock="wall") -> dict:
     """One variant per AION component of the config switched off; `full` is the baseline."""
     cfg = load_config(config)
     stages = [dict(stage) for stage in cfg.schedule.stages]
@@ -145,21 +158,54 @@ def ablation(config: str, seeds: list) -> dict:
                          f"every kernel the reference)")
     name = f"ablate-{Path(config).stem}"
     return dict(name=name, config=config, seeds=seeds, overrides=[], baseline="full", variants=variants,
-                variant_configs={}, out=ROOT / "sweeps" / name, ablation=True)
+                variant_configs={}, out=ROOT / "sweeps" / name, ablation=True, clock=clock)
 
 
 class Sweep:
     def __init__(self, spec: dict, extra: list, nproc: int):
         self.spec, self.extra, self.nproc = spec, extra, nproc
-        self.fingerprints = {}
+        self.fingerprints, self.calibration = {}, None
+        if spec["clock"] == "calibrated":
+            base = load_config(self.config_file(spec["baseline"]), [*spec["overrides"], *spec["variants"][spec["baseline"]],
+                                                                      *extra])
+            self.here = clock.machine(train.Backend(base.device).accelerator)
+            self.calibration = spec["out"] / f"calibration-{hashlib.sha256(self.here.encode()).hexdigest()[:8]}.json"
         self.configs = {v: self.variant_config(v) for v in spec["variants"]}  # every variant checked up front
         self.data_sha = {v: self.fingerprint(cfg) for v, cfg in self.configs.items()}
         self.recipes = {v: recipe(flatten(dataclasses.asdict(cfg)), self.data_sha[v])
                         for v, cfg in self.configs.items()}
         self.stop_signal, self.child = None, None
 
-    def overrides(self, variant):
-        return [*self.spec["overrides"], *self.spec["variants"][variant], *self.extra]
+    def overrides(self, variant, timed=True):
+        """The variant's overrides; timed: with the sweep's clock (calibrated: its calibration file)."""
+        clocked = ["budget.clock=calibrated", f"budget.calibration={self.calibration}"] if self.calibration and timed else []
+        return [*self.spec["overrides"], *self.spec["variants"][variant], *self.extra, *clocked]
+
+    def calibration_id(self):
+        return clock.read(self.calibration)["id"] if self.calibration and self.calibration.is_file() else None
+
+    def calibrate(self):
+        """Measure the variants the sweep's calibration lacks (all, the first time), with the
+        baseline, each model built here once per distinct cost (variants that differ only in what
+        a step does not depend on share one)."""
+        arms, names = {}, {}
+        for variant, cfg in self.configs.items():
+            key = clock.cost_key(flatten(dataclasses.asdict(cfg)), self.data_sha[variant])
+            names.setdefault(key, []).append(variant)
+        known = clock.read(self.calibration)["arms"] if self.calibration.is_file() else {}
+        base = next(k for k, v in names.items() if self.spec["baseline"] in v)
+        if all(key in known for key in names):
+            return
+        try:
+            for key, variants in names.items():
+                if key not in known or key == base:
+                    overrides = [*self.overrides(variants[0], timed=False), "budget.reference_step_ms=0"]
+                    arms[key] = ("+".join(variants), self.config_file(variants[0]), overrides,
+                                 train.Trainer(load_config(self.config_file(variants[0]), overrides)))
+            clock.measure(arms, self.calibration, base, self.here, log=lambda line: print(line, flush=True))
+        finally:
+            for *_, trainer in arms.values():
+                trainer.loader.close()
 
     def config_file(self, variant) -> str:
         return self.spec["variant_configs"].get(variant, self.spec["config"])
@@ -178,10 +224,12 @@ class Sweep:
         return self.fingerprints[key]
 
     def rows(self, variant, statuses=("ok",)):
-        """This sweep's ledger rows of the variant's current recipe."""
+        """This sweep's ledger rows of the variant's current recipe (and calibration, if calibrated)."""
+        calibration = self.calibration_id()
         return [r for r in ledger.read(self.configs[variant].ledger.path)
                 if r.get("sweep") == self.spec["name"] and r.get("variant") == variant
-                and r.get("recipe") == self.recipes[variant] and r.get("status") in statuses]
+                and r.get("recipe") == self.recipes[variant] and r.get("status") in statuses
+                and (not self.calibration or r.get("calibration") == calibration)]
 
     def checkpoint(self, variant, seed) -> Path:
         return Path(self.configs[variant].run.out_dir) / "sweeps" / self.spec["name"] / f"{variant}-seed{seed}.pt"
@@ -209,8 +257,15 @@ class Sweep:
         if self.child and self.child.poll() is None:
             self.child.send_signal(signum)
 
-    def run(self, max_runs=0) -> int:
+    def run(self, max_runs=0, calibrate_only=False) -> int:
         name, seeds = self.spec["name"], self.spec["seeds"]
+        if self.calibration:
+            self.calibrate()
+            print(f"sweep:{name} calibration:{self.calibration} id:{self.calibration_id()}", flush=True)
+            if calibrate_only:
+                return 0
+        elif calibrate_only:
+            raise SweepError(f"sweep {name}: --calibrate-only needs clock: calibrated in the sweep file (or --clock calibrated)")
         pairs = [(v, s) for s in seeds for v in self.spec["variants"]]  # seed-major: arms alternate in time
         done = {(r["variant"], int(r["seed"])) for v in self.spec["variants"] for r in self.rows(v, DONE)}
         todo = [p for p in pairs if p not in done]
@@ -227,7 +282,8 @@ class Sweep:
                 per_run = sum(walls) / len(walls) if walls else self.configs[variant].budget.seconds + 60
                 left = per_run * (len(todo) - i)
                 print(f"sweep:{name} run {i + 1}/{len(todo)} variant:{variant} seed:{seed} "
-                      f"elapsed:{(time.time() - start) / 60:.1f}min left:~{left / 60:.0f}min"
+                      f"elapsed:{(time.time() - start) / 60:.1f}min left:~{left / 60:.0f}min "
+                      f"ends:~{time.strftime('%H:%M', time.gmtime(time.time() + left))} UTC"
                       f"{'' if walls else ' (estimate: budget + 60 s per run)'}", flush=True)
                 t0 = time.time()
                 self.child = subprocess.Popen(self.command(variant, seed))
@@ -251,7 +307,7 @@ class Sweep:
         spec, base = self.spec, self.spec["baseline"]
         arms = {v: self.rows(v) for v in spec["variants"]}
         header = ["variant", "recipe", "n", "val_bpb mean", "sd", "Δ val_bpb", "95% CI", "p", "verdict",
-                  "seeds/arm", "tokens/s", "Δ tokens/s", "p", "verdict"]
+                  "seeds/arm", "test", "tokens/s", "Δ tokens/s", "p", "verdict"]
         lines = [header]
         for variant, rows in arms.items():
             cells = [variant, self.recipes[variant], str(len(rows))]
@@ -261,15 +317,15 @@ class Sweep:
             bpb = [float(r["val_bpb"]) for r in rows]
             cells += [f"{sum(bpb) / len(bpb):.4f}", f"{statistics.stdev(bpb):.4f}" if len(bpb) > 1 else "-"]
             if variant == base or not arms[base]:
-                lines.append(cells + [("baseline" if variant == base else "no baseline runs")] + [""] * 4
+                lines.append(cells + [("baseline" if variant == base else "no baseline runs")] + [""] * 5
                              + [f"{sum(float(r['tokens_per_s']) for r in rows) / len(rows):.0f}", "", "", ""])
                 continue
-            a, b = (rows, arms[base]) if spec["ablation"] else (arms[base], rows)
-            (bpb_v, tps_v) = (ledger.verdict([float(r[c]) for r in a], [float(r[c]) for r in b], higher)
-                              for c, higher in ledger.METRICS)
+            judged = ledger.judge(*((rows, arms[base]) if spec["ablation"] else (arms[base], rows)))
+            bpb_v, tps_v = judged["val_bpb"], judged["tokens_per_s"]
             seeds = "-" if bpb_v["seeds"] is None else str(bpb_v["seeds"])
             lines.append(cells + [f"{bpb_v['diff']:+.4f}", f"[{bpb_v['low']:+.4f}, {bpb_v['high']:+.4f}]",
                                   f"{bpb_v['p']:.3g}", bpb_v["verdict"], seeds,
+                                  f"paired ({len(judged['pairs'])} seeds)" if judged["pairs"] else "Welch",
                                   f"{sum(float(r['tokens_per_s']) for r in rows) / len(rows):.0f}",
                                   f"{tps_v['diff']:+.0f}", f"{tps_v['p']:.3g}", tps_v["verdict"]])
         if spec["ablation"]:
@@ -282,8 +338,11 @@ class Sweep:
         spec["out"].mkdir(parents=True, exist_ok=True)
         text = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
         text += ["| " + " | ".join(cells) + " |" for cells in lines[1:]]
-        text += ["", f"Welch's t-test (scipy); keep/revert need p < {ledger.ALPHA}; seeds/arm: runs per arm that detect "
-                 f"a val_bpb difference of this size at this spread with power {ledger.POWER}."]
+        text += ["", f"test: paired t-test on the per-seed differences where both arms ran at least two seeds in common "
+                 f"(other runs left out), else Welch's t-test (scipy); keep/revert need p < {ledger.ALPHA}; seeds/arm: "
+                 f"runs (pairs) per arm that detect a val_bpb difference of this size at this spread with power "
+                 f"{ledger.POWER}." + (f" Calibrated clock: {self.calibration.name} (id {self.calibration_id()})."
+                                       if self.calibration else "")]
         (spec["out"] / "verdict.md").write_text("\n".join(text) + "\n")
         ran = {v: rows for v, rows in arms.items() if rows}
         if ran:
@@ -301,6 +360,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1337, 7], help="--ablate: the seeds (default 1337 7)")
     parser.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun --nproc_per_node)")
     parser.add_argument("--max-runs", type=int, default=0, help="run at most this many runs now (0 = all)")
+    parser.add_argument("--clock", choices=("wall", "calibrated"), default="wall", help="--ablate: the runs' clock")
+    parser.add_argument("--calibrate-only", action="store_true", help="calibrate (clock: calibrated) and stop")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="for every run, after the variant's")
     args = parser.parse_intermixed_args(argv)  # options may come after the sweep file
     if args.sweep and "=" in args.sweep:  # only overrides given: argparse put the first in `sweep`
@@ -309,12 +370,12 @@ def main(argv=None) -> int:
     if bool(args.sweep) == bool(args.ablate):
         parser.error("give a sweep file or --ablate CONFIG (not both)")
     try:
-        spec = ablation(args.ablate, args.seeds) if args.ablate else load_sweep(Path(args.sweep))
+        spec = ablation(args.ablate, args.seeds, args.clock) if args.ablate else load_sweep(Path(args.sweep))
         sweep = Sweep(spec, args.overrides, args.nproc)
+        return sweep.run(args.max_runs, args.calibrate_only)
     except (SweepError, ConfigError, train.data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return sweep.run(args.max_runs)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+import clock
 import data
 import kernels
 import kernels.profile
@@ -182,6 +183,9 @@ class Backend:
             self.device, self.on_trainium = torch.device("neuron", local_rank), True
         else:
             self.device = torch.device("cpu")
+        # What a step's speed depends on besides the CPU (clock.machine): the accelerator, if any.
+        self.accelerator = (f"trn2-lnc{os.environ.get('NEURON_LOGICAL_NC_CONFIG', '2')}" if self.on_trainium else
+                            torch.cuda.get_device_name(self.device) if self.kind == "cuda" else "")
         if cfg.compile_cache and self.kind != "xla":
             raise ConfigError(f"device.compile_cache is for device.type=xla, not {self.kind}")
         # auto: bfloat16 where matmuls run natively in it (accelerators; CPUs with AVX512-BF16 or AMX),
@@ -283,11 +287,7 @@ class Backend:
 
     def peak_flops(self) -> tuple:
         """-> (FLOP/s, where it came from): PEAK_FLOPS for a known device, else measured here."""
-        name = ""
-        if self.on_trainium:
-            name = f"trn2-lnc{os.environ.get('NEURON_LOGICAL_NC_CONFIG', '2')}"
-        elif self.kind == "cuda":
-            name = next((n for n in ("H100", "H200") if n in torch.cuda.get_device_name(self.device)), "")
+        name = self.accelerator if self.on_trainium else next((n for n in ("H100", "H200") if n in self.accelerator), "")
         if (name, self.dtype) in PEAK_FLOPS:
             return PEAK_FLOPS[name, self.dtype], f"{name} datasheet"
         return self.measure_matmul_peak(), "measured"
@@ -542,6 +542,12 @@ class Trainer:
         next(data.val_batches(self.val_files, cfg.data.seq_len, cfg.eval.batch_size, cfg.model.vocab_size,
                               max_tokens=cfg.eval.tokens), None)  # headers, token ids, at least one window
         self.stages = resolve_stages(cfg)
+        flat = flatten(dataclasses.asdict(cfg))
+        self.recipe, self.machine = recipe(flat, self.data_sha), clock.machine(self.backend.accelerator)
+        self.calibration, self.step_costs = "", None  # the calibrated clock: seconds per step of each stage
+        if cfg.budget.clock == "calibrated":
+            self.calibration, self.step_costs = clock.costs(cfg.budget, clock.cost_key(flat, self.data_sha),
+                                                            len(self.stages), self.machine)
         self.loader, self.loader_state, self.data_wait_s = None, None, 0.0
 
         self.model = GPT(cfg.model, cfg.mod, self.kernels).to(self.device)
@@ -558,7 +564,8 @@ class Trainer:
         if self.resumed:
             self.restore(self.resumed)
         self.enter_stage(self.stage_at(self.train_s / cfg.budget.seconds))
-        self.stop_signal, self.diverged, self.step_ms, self.steady_tokens = None, "", [], 0  # diverged: the reason
+        self.stop_signal, self.diverged = None, ""  # diverged: the reason
+        self.step_ms, self.steady_tokens, self.steady_s = [], 0, 0.0  # steady steps: measured ms; tokens, clock seconds
         self.curve_s, self.curve_points = 0.0, 0
 
     # -- annealing stages ----------------------------------------------------------------------
@@ -570,6 +577,11 @@ class Trainer:
     def tokens(self) -> int:
         """Training tokens so far, by each stage's tokens per step."""
         return sum(steps * self.stages[index].batch_tokens for index, _, steps in self.timeline)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Steady-state tokens per second of the run's clock (warm-up, compiling, profiled steps left out)."""
+        return self.steady_tokens / self.steady_s if self.steady_s else 0.0
 
     def stage_at(self, progress: float) -> int:
         """The stage for this progress; never one before the latest entered (a resumed run with a
@@ -737,6 +749,21 @@ class Trainer:
         self.step_count += 1
         return loss
 
+    def timed_steps(self, index: int, steps: int) -> list:
+        """Calibration (clock.measure): `steps` steps of stage `index` timed as the loop times them
+        (the step, the finite check, the step boundary, the next batch), waiting for each -> seconds."""
+        if index != self.stage:
+            self.enter_stage(index)
+        seconds = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self.backend.on_values(self.check_finite, self.step(self.stages[index].at))
+            self.backend.mark_step()
+            self.inputs = self.fetch()
+            self.backend.wait()
+            seconds.append(time.perf_counter() - t0)
+        return seconds
+
     @torch.no_grad()
     def evaluate(self, max_tokens: int, max_batches=0):
         """-> (val_loss nats/token, val_bpb, target tokens, target bytes) over the first max_tokens
@@ -788,11 +815,10 @@ class Trainer:
         loss = (total - self.logged[0]) / (self.step_count - self.logged[1])
         self.logged = (total, self.step_count)
         budget = self.cfg.budget.seconds
-        tokens_per_s = throughput(self.step_ms, self.steady_tokens)
         scale = lr_scale(self.train_s / budget, self.cfg.optim)
-        self.log(f"step:{self.step_count} loss:{loss:.4f} tokens_per_s:{tokens_per_s:.0f} train_s:{self.train_s:.1f} "
+        self.log(f"step:{self.step_count} loss:{loss:.4f} tokens_per_s:{self.tokens_per_s:.0f} train_s:{self.train_s:.1f} "
                  f"p:{self.train_s / budget:.3f} lr_scale:{scale:.3f} epoch:{self.loader.epoch}")
-        self.metric("train", loss=loss, lr_scale=scale, tokens_per_s=tokens_per_s)
+        self.metric("train", loss=loss, lr_scale=scale, tokens_per_s=self.tokens_per_s)
         self.last_loss = loss
         self.judge(loss, final)
 
@@ -855,6 +881,8 @@ class Trainer:
                  f"peak_flops:{peak[0]:.4g} ({peak[1]}) accum_steps:{self.accum_steps} "
                  f"data:{self.data_sha} resumed_from:{self.resumed['run_id'] if self.resumed else '-'} "
                  f"kernels:{self.kernels} compile:{compiled}")
+        self.log(f"machine:{self.machine} clock:{cfg.budget.clock}" + (f" calibration:{self.calibration} step_ms:" + ",".join(
+            f"{c * 1000:.2f}" for c in self.step_costs) if self.step_costs else ""))
 
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         status, error, start_step = "ok", "", self.step_count
@@ -925,10 +953,13 @@ class Trainer:
                 self.compile_s += compiling
                 if profiled:
                     profile_s += elapsed
+                elif self.step_costs:  # calibrated: the stage's cost; a warm-up step is free, as on the wall clock
+                    self.train_s += 0.0 if warmup else self.step_costs[self.stage]
                 else:
                     self.train_s += elapsed if cfg.budget.count_compile else elapsed - compiling
                 if not (compiling or profiled):
                     self.step_ms.append(elapsed * 1000)
+                    self.steady_s += self.step_costs[self.stage] if self.step_costs else elapsed
                     self.steady_tokens += self.stages[self.stage].batch_tokens
                 if prof is not None and self.step_count == profile_end:
                     self.write_profile(prof, profile_first, profile_s)
@@ -1001,7 +1032,7 @@ class Trainer:
                 self.log_file.close()
                 self.metrics_file.close()
             return dict(status=status)
-        tokens_per_s = throughput(self.step_ms, self.steady_tokens)
+        tokens_per_s = self.tokens_per_s
         val_loss = val_bpb = val_tokens = val_bytes = failure = None
         eval_s = 0.0
         try:
@@ -1027,6 +1058,11 @@ class Trainer:
             notes.append(f"routing_agreement={self.routing_agreement:.4f} (eval tiles where the causal predictor "
                          f"matched the training top-k)")
         notes.append(f"peak_flops={peak[0]:.4g} {peak[1]}")
+        if self.step_costs and self.step_ms:  # what the steps really took: the machine's load shows here
+            notes.append(f"measured_tokens_per_s={self.steady_tokens / sum(self.step_ms) * 1000:.0f}")
+        if cfg.budget.reference_step_ms:
+            notes.append(f"budget {cfg.budget.seconds:g} s at the baseline's reference step of "
+                         f"{cfg.budget.reference_step_ms:g} ms")
         if cfg.device.dtype == "auto":  # auto's choice depends on the CPU, not the recipe
             notes.append(f"dtype={backend.dtype_name} (auto)")
         if self.curve_points:
@@ -1050,8 +1086,9 @@ class Trainer:
             mfu=fpt * tokens_per_s / (peak[0] * backend.world_size), val_loss=val_loss, val_bpb=val_bpb,
             val_tokens=val_tokens, val_bytes=val_bytes, xla_compiles=compiles[0] if compiles else None,
             peak_mem_mb=backend.peak_memory_mb(), status=status, notes="; ".join(notes), profile=self.profile_top,
-            recipe=recipe(flatten(dataclasses.asdict(cfg)), self.data_sha), sweep=cfg.ledger.sweep,
-            variant=cfg.ledger.variant,
+            recipe=self.recipe, sweep=cfg.ledger.sweep, variant=cfg.ledger.variant, machine=self.machine,
+            clock=cfg.budget.clock, calibration=self.calibration,
+            step_cost_ms=" ".join(f"{c * 1000:.2f}" for c in self.step_costs or ()),
             stages=" ".join(f"{i}@{start:.1f}s:{steps}" for i, start, steps in self.timeline))
         self.loader.close()
         if self.is_main:
@@ -1063,12 +1100,6 @@ class Trainer:
         if failure:
             raise failure
         return row
-
-
-def throughput(step_ms: list, tokens: int) -> float:
-    """Steady-state tokens/s: `tokens` trained in the steps timed in step_ms (warm-up and compiling
-    steps are left out of both)."""
-    return tokens / (sum(step_ms) / 1000) if step_ms else 0.0
 
 
 def main(argv=None) -> int:

@@ -84,11 +84,15 @@ def test_arms_are_named_by_recipe_variant_config_run_id_or_notes():
     assert ledger.arm(rows, "cpu-3") == ("run id prefix", [rows[3]])
     with pytest.raises(ledger.LedgerError, match="no ok run"):
         ledger.arm(rows, "cpu-9")  # failed runs belong to no arm
-    for key in ("cpu", "configs/cpu.yaml", "tag-a", "cpu-"):  # an arm is one recipe, never a mix
+    for key in ("tag-a", "cpu-", "other.yaml"):  # an arm is one recipe, never a mix
+        rows_here = [dict(r, config="other.yaml") for r in rows] if key == "other.yaml" else rows  # a config with no file
         with pytest.raises(ledger.LedgerError, match=f"arm '{key}' .* matches ok runs of 2 recipes; an arm must be one "
                                                      f"recipe") as e:
-            ledger.arm(rows, key)
+            ledger.arm(rows_here, key)
         assert "\n  r1: " in str(e.value) and "\n  r2: " in str(e.value)
+    for key in ("cpu", "configs/cpu.yaml"):  # a config file: its recipe now, which none of these runs has
+        with pytest.raises(ledger.LedgerError, match=r"no ok run of the recipe .*configs/cpu.yaml has now"):
+            ledger.arm(rows, key)
 
 
 def test_a_config_arm_is_the_recipe_the_file_has_now(tmp_path, capsys):
@@ -98,6 +102,13 @@ def test_a_config_arm_is_the_recipe_the_file_has_now(tmp_path, capsys):
                  tokens_per_s="100")
             for i in range(1, 6)]
     assert ledger.arm(rows, "smoke") == ("config", rows[2:])  # the older recipe is left out
+    elsewhere = dict(rows[-1], run_id="cpu-6", config="configs/cpu.yaml", overrides="a=b")  # recorded under another config
+    assert ledger.arm(rows + [elsewhere], "configs/smoke.yaml") == ("config", rows[2:] + [elsewhere])
+    others = [dict(r, recipe="r3", overrides="model.n_layer=3 optim.muon_lr=0.1") for r in rows[:2]]
+    with pytest.raises(ledger.LedgerError, match=rf"no ok run of the recipe .*smoke.yaml has now \({now}\); the closest "
+                                                 rf"recipes:\n  old: 2 runs.*; differs in no config key \(another corpus.*\n  r3: 2 runs.*differs in "
+                                                 rf"model.n_layer, optim.muon_lr"):
+        ledger.arm(rows[:2] + others, "smoke")
     short = [dict(r, run_id=f"s-{r['run_id']}", recipe="short", budget_s="150", notes="short") for r in rows]
     with pytest.raises(ledger.LedgerError, match="arm 'smoke' ran with a budget of 300 s, arm 'short' with 150 s: "
                                                  "a verdict compares equal budgets"):
@@ -226,7 +237,7 @@ def test_plot_command_writes_pngs(tmp_path):
 
 def test_a_sweep_resumes_only_from_a_readable_checkpoint_of_the_variants_recipe(tmp_path, builtin_1024):
     spec = dict(name="t", config=str(SMOKE), seeds=[1], overrides=[], baseline="a", variants={"a": []},
-                variant_configs={}, out=tmp_path / "t", ablation=False)
+                variant_configs={}, out=tmp_path / "t", ablation=False, clock="wall")
     runs = sweep.Sweep(spec, smoke_args(tmp_path), nproc=1)
     ckpt = runs.checkpoint("a", 1)
     ckpt.parent.mkdir(parents=True)

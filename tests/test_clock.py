@@ -1,0 +1,212 @@
+"""The calibrated clock: runs that repeat exactly however busy the machine is, the calibration
+(interleaved rounds, extension, the file's checks), sweeps under it, and verdicts that pair seeds
+and never mix clocks."""
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+import clock
+import config
+import ledger
+import sweep
+import train
+from config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.yaml"
+TWO_STAGES = "schedule.stages=[{at: 0, depth: 1}, {at: 0.5, depth: 2}]"
+
+
+def args(tmp_path, *extra):
+    return [f"data.path={ROOT / 'data' / 'builtin'}", f"ledger.path={tmp_path / 'ledger.csv'}",
+            f"run.out_dir={tmp_path / 'runs'}", *extra]
+
+
+def calibration(tmp_path, costs_ms, overrides=(), machine=None, name="cal.json"):
+    """A calibration file for the smoke config with `overrides`, written by hand: one arm, these costs."""
+    cfg = load_config(SMOKE, args(tmp_path, *overrides))
+    key = clock.cost_key(config.flatten(dataclasses.asdict(cfg)), train.open_data(cfg)[3])
+    arm = dict(name="smoke", config=str(SMOKE), overrides=list(overrides), dtype="float32",
+               stages=[dict(step_ms=ms, round_ms=[ms], spread=0.0) for ms in costs_ms])
+    path = tmp_path / name
+    clock.write(path, dict(version=clock.VERSION, id="c0ffee000001", machine=machine or clock.machine(), date="-",
+                           method={}, baseline=key, arms={key: arm}))
+    return path
+
+
+def calibrated_run(tmp_path, path, *extra):
+    """A smoke run under the calibrated clock: 1.25 s of 62.5 ms steps (exact in binary) = 20 counted
+    steps, after the free warm-up step and the 5 profiled ones. -> (row, its training losses)."""
+    before = len(ledger.read(tmp_path / "ledger.csv"))
+    assert train.main(["--config", str(SMOKE), *args(tmp_path, "budget.clock=calibrated", f"budget.calibration={path}",
+                                                    "budget.max_steps=0", "budget.seconds=1.25", *extra)]) == 0
+    row = ledger.read(tmp_path / "ledger.csv")[before]
+    losses = [r["loss"] for r in ledger.read_metrics(tmp_path / "runs", row["run_id"]) if r["kind"] == "train"]
+    return row, losses
+
+
+def test_a_calibrated_run_repeats_exactly_even_on_a_busy_machine(tmp_path, builtin_1024):
+    path = calibration(tmp_path, [62.5])
+    first, losses = calibrated_run(tmp_path, path)
+    assert first["steps"] == "26" and first["clock"] == "calibrated" and first["calibration"] == "c0ffee000001"
+    assert first["step_cost_ms"] == "62.50" and float(first["train_s"]) == 1.25
+    assert float(first["tokens_per_s"]) == 512 / 0.0625  # by the calibrated clock, not the machine's
+    assert first["machine"] == clock.machine() and "measured_tokens_per_s=" in first["notes"]
+    again, losses_again = calibrated_run(tmp_path, path)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        loaded, losses_loaded = calibrated_run(tmp_path, path)
+    finally:
+        for process in busy:
+            process.kill()
+    for row, row_losses in ((again, losses_again), (loaded, losses_loaded)):
+        assert (row["steps"], row["stages"], row["val_bpb"], row_losses) == (first["steps"], first["stages"],
+                                                                            first["val_bpb"], losses)
+    assert len(losses) == 13  # every run.log_every=2 steps, and the last
+
+
+def test_calibrated_stages_follow_their_costs(tmp_path, builtin_1024):
+    """Each stage advances by its own cost: 0.5 s of 31.25 ms steps (16), then 0.5 s of 62.5 ms (8)."""
+    path = calibration(tmp_path, [31.25, 62.5], [TWO_STAGES])
+    row, _ = calibrated_run(tmp_path, path, TWO_STAGES, "budget.seconds=1", "run.profile_steps=0")
+    assert row["stages"] == "0@0.0s:17 1@0.5s:8" and row["step_cost_ms"] == "31.25 62.50"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("budget.clock=sundial",), "budget.clock: expected one of wall | calibrated, got 'sundial'"),
+    (("budget.clock=calibrated",), "budget.clock=calibrated needs budget.calibration"),
+    (("budget.clock=calibrated", "budget.calibration=x.json", "budget.count_compile=true"),
+     "and budget.count_compile=false (compile time is not calibrated)"),
+    (("budget.reference_step_ms=400",), "budget.calibration and budget.reference_step_ms need budget.clock=calibrated"),
+])
+def test_clock_config_errors(extra, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(SMOKE, extra)
+
+
+def test_a_calibration_that_does_not_fit_the_run_is_refused(tmp_path, builtin_1024, capsys):
+    def refused(path, *extra):
+        assert train.main(["--config", str(SMOKE), *args(tmp_path, "budget.clock=calibrated", f"budget.calibration={path}",
+                                                        *extra)]) == 2
+        return capsys.readouterr().err
+
+    other = calibration(tmp_path, [62.5], machine="Some Other CPU (family 6, model 143; avx2), 2 CPUs", name="o.json")
+    assert (f"budget.calibration={other} was measured on Some Other CPU (family 6, model 143; avx2), 2 CPUs; this is "
+            f"{clock.machine()}: calibrate again here") in refused(other)
+    one_stage = calibration(tmp_path, [62.5], name="one.json")
+    assert "has no arm with this run's model and stages (cost key" in refused(one_stage, TWO_STAGES)
+    assert "it has smoke (" in refused(one_stage, "model.n_layer=3")
+    short = calibration(tmp_path, [62.5], [TWO_STAGES], name="short.json")
+    doc = json.loads(short.read_text())
+    for arm in doc["arms"].values():
+        arm["stages"] = arm["stages"][:1]
+    short.write_text(json.dumps(doc))
+    assert f"budget.calibration={short}: arm smoke has 1 stages measured, this run has 2" in refused(short, TWO_STAGES)
+    (tmp_path / "bad.json").write_text("{}")
+    assert "not a calibration file of version 1" in refused(tmp_path / "bad.json")
+    assert "cannot read a calibration from it" in refused(tmp_path / "missing.json")
+
+
+def test_a_reference_step_scales_every_cost_by_the_baselines(tmp_path):
+    path = calibration(tmp_path, [50.0, 100.0])
+    key = next(iter(json.loads(path.read_text())["arms"]))
+    budget = load_config(SMOKE, ["budget.clock=calibrated", f"budget.calibration={path}",
+                                 "budget.reference_step_ms=200"]).budget
+    assert clock.costs(budget, key, 2, clock.machine()) == ("c0ffee000001", [0.2, 0.4])
+
+
+class FakeTrainer:
+    """What clock.measure uses of a Trainer, with step times it is told: (stage index) -> seconds."""
+
+    def __init__(self, name, seconds, calls):
+        self.name, self.seconds, self.calls = name, seconds, calls
+        self.stages = [None] * len(seconds)
+        self.backend = type("Backend", (), {"dtype_name": "float32"})
+
+    def timed_steps(self, index, steps):
+        self.calls.append((self.name, index, steps))
+        return [self.seconds[index]] * steps
+
+
+def test_calibration_interleaves_rounds_and_extends_by_the_baselines_ratio(tmp_path, monkeypatch):
+    monkeypatch.setattr(clock, "ROUNDS", 2)
+    calls, path = [], tmp_path / "cal.json"
+    arms = {"ka": ("a", "a.yaml", [], FakeTrainer("a", [0.1], calls)),
+            "kb": ("b", "b.yaml", ["x=1"], FakeTrainer("b", [0.2, 0.3], calls))}
+    doc = clock.measure(arms, path, "ka", "here", log=lambda line: None)
+    warm = [("a", 0, clock.WARMUP), ("b", 0, clock.WARMUP), ("b", 1, clock.WARMUP)]
+    timed = [("a", 0, clock.SKIP + clock.STEPS), ("b", 0, clock.SKIP + clock.STEPS), ("b", 1, clock.SKIP + clock.STEPS)]
+    assert calls == warm + timed + timed  # A B ... A B ...: every round the same order
+    assert [s["step_ms"] for s in doc["arms"]["kb"]["stages"]] == pytest.approx([200, 300])
+    assert doc["arms"]["kb"]["stages"][0]["round_ms"] == [200, 200] and doc["baseline"] == "ka"
+    assert json.loads(path.read_text()) == doc
+    assert clock.measure(arms, path, "ka", "here") == doc  # nothing missing: nothing measured
+    # A new arm is measured with the baseline, which now runs 2x slower: the new arm's cost is halved.
+    more = {"ka": ("a", "a.yaml", [], FakeTrainer("a", [0.2], calls)), "kc": ("c", "c.yaml", [], FakeTrainer("c", [0.5], calls))}
+    extended = clock.measure(more, path, "ka", "here", log=lambda line: None)
+    assert extended["id"] == doc["id"] and extended["arms"]["ka"] == doc["arms"]["ka"]
+    assert extended["arms"]["kc"]["stages"][0]["step_ms"] == pytest.approx(250) and "scaled by" in extended["arms"]["kc"]["added"]
+    with pytest.raises(ConfigError, match="was measured on here; this is elsewhere"):
+        clock.measure(more, path, "ka", "elsewhere")
+
+
+def test_a_calibrated_sweep_calibrates_once_and_its_rows_name_the_calibration(tmp_path, builtin_1024, monkeypatch):
+    monkeypatch.setattr(clock, "ROUNDS", 2)
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(f"name: tiny\nconfig: {SMOKE}\nseeds: [1, 2]\nclock: calibrated\n"
+                    f"overrides: [budget.max_steps=0, budget.seconds=0.5, eval.tokens=1024, run.profile_steps=0]\n"
+                    f"variants:\n  narrow: []\n  lr: [optim.muon_lr=0.02]\n")
+    assert sweep.main([str(spec), "--calibrate-only", *args(tmp_path)]) == 0
+    (path,) = (tmp_path / "tiny").glob("calibration-*.json")
+    doc = clock.read(path)
+    assert [arm["name"] for arm in doc["arms"].values()] == ["narrow+lr"]  # an LR does not change a step's cost
+    assert sweep.main([str(spec), *args(tmp_path)]) == 0
+    rows = ledger.read(tmp_path / "ledger.csv")
+    assert len(rows) == 4 and {(r["clock"], r["calibration"]) for r in rows} == {("calibrated", doc["id"])}
+    assert clock.read(path) == doc  # reused, not measured again
+    assert "paired (2 seeds)" in (tmp_path / "tiny" / "verdict.md").read_text()
+    spec.write_text(spec.read_text() + "  deep: [model.n_layer=3]\n")
+    assert sweep.main([str(spec), "--max-runs", "0", "--calibrate-only", *args(tmp_path)]) == 0
+    extended = clock.read(path)
+    assert extended["id"] == doc["id"] and len(extended["arms"]) == 2
+
+
+def test_a_sweep_file_names_a_clock_that_exists(tmp_path):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: s\nconfig: {SMOKE}\nseeds: [1]\nclock: sundial\nvariants:\n  a: []\n")
+    with pytest.raises(sweep.SweepError, match="clock: expected wall or calibrated, got 'sundial'"):
+        sweep.load_sweep(spec)
+
+
+def rows_of(recipe, seeds, values, **extra):
+    return [dict(time=f"2026-12-0{i + 1}", run_id=f"{recipe}-{i}", config="c.yaml", recipe=recipe, seed=str(seed),
+                 budget_s="150", status="ok", val_bpb=str(v), tokens_per_s=str(100 + i), **extra)
+            for i, (seed, v) in enumerate(zip(seeds, values))]
+
+
+def test_verdicts_pair_matching_seeds_and_never_mix_clocks(capsys):
+    a = rows_of("ra", [1, 2, 3], [1.50, 1.60, 1.55])
+    b = rows_of("rb", [3, 1, 2], [1.54, 1.49, 1.58])
+    judged = ledger.judge(a, b)
+    assert judged["pairs"] == ["1", "2", "3"]
+    expected = stats.ttest_rel([1.49, 1.58, 1.54], [1.50, 1.60, 1.55])
+    assert judged["val_bpb"]["p"] == pytest.approx(expected.pvalue) and judged["val_bpb"]["test"] == "paired t-test"
+    assert judged["val_bpb"]["diff"] == pytest.approx(-0.04 / 3)
+    assert ledger.judge(a, rows_of("rb", [4, 5], [1.5, 1.6]))["val_bpb"]["test"] == "Welch's t-test"
+    ledger.print_verdict(a + b, "ra", "rb")
+    out = capsys.readouterr().out
+    assert "timebase: wall (machine not recorded)" in out and "paired t-test on the per-seed differences, seeds 1, 2, 3" in out
+    calibrated = rows_of("rb", [1, 2], [1.5, 1.6], clock="calibrated", calibration="c1")
+    with pytest.raises(ledger.LedgerError, match=r"a verdict never mixes clocks or calibrations \(arm 'ra': wall "
+                                                 r"\(machine not recorded\) \(3 runs\); arm 'rb': calibrated c1 \(2 runs\)\)"):
+        ledger.print_verdict(a + calibrated, "ra", "rb")
+    both = a + rows_of("ra", [1, 2], [1.4, 1.5], clock="calibrated", calibration="c1") + b + calibrated
+    ledger.print_verdict(both, "ra", "rb")  # calibrated preferred when both arms ran under it
+    assert "timebase: calibrated c1 (also in common: wall (machine not recorded)" in capsys.readouterr().out
+    ledger.print_verdict(both, "ra", "rb", "wall (machine not recorded)")
+    assert "seeds 1, 2, 3" in capsys.readouterr().out
