@@ -19,6 +19,7 @@ where an arm's cost key is its recipe without what does not change a step's cost
 (max - min) / median of those.
 """
 import json
+import math
 import os
 import platform
 import secrets
@@ -29,7 +30,7 @@ from pathlib import Path
 from config import ConfigError, recipe
 
 VERSION = 1
-ROUNDS, STEPS, SKIP = 5, 10, 2  # per arm and stage: rounds, timed steps per round, steps run untimed before them
+ROUNDS, STEPS, SKIP = 12, 6, 2  # per arm and stage: rounds, timed steps per round, steps run untimed before them
 WARMUP = 3  # steps of each stage before the rounds (compilation, optimizer state)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # what decides a CPU's matmul speed here
 
@@ -109,10 +110,14 @@ def costs(budget, key: str, stages: int, here: str):
 
 
 def measure(arms: dict, path, baseline: str, here: str, log=print) -> dict:
-    """Calibrate `arms` ({cost key: (name, config, overrides, trainer)}, every trainer built in this
-    process with budget.clock=wall) into the file `path`, or extend the calibration there: arms it
-    lacks are measured in rounds with its baseline, and their costs scaled by the baseline's
-    recorded cost over its cost now. -> the calibration."""
+    """Calibrate `arms` ({cost key: (name, config, overrides, [a trainer per stage])}, every trainer
+    built in this process with budget.clock=wall) into the file `path`, or extend the calibration
+    there with the arms it lacks, measured with its baseline. Each trainer stays in its stage, as
+    a run does for hundreds of steps. Every round times SKIP + STEPS steps of each (arm, stage),
+    in one order, reversed every other round, so that the machine's drift, which moves a step's
+    time by 10-20 % within minutes on a shared 2-core VM, moves every arm alike and cancels out of
+    the ratios: a stage's cost is its median per-round ratio to the baseline's first stage, times
+    the baseline's median step (the recorded one when extending). -> the calibration."""
     old = read(path) if Path(path).is_file() else None
     if old and old["machine"] != here:
         raise ConfigError(f"{path} was measured on {old['machine']}; this is {here}")
@@ -124,45 +129,45 @@ def measure(arms: dict, path, baseline: str, here: str, log=print) -> dict:
         if baseline not in arms:
             raise ConfigError(f"{path}: its baseline {baseline} is not among the arms to measure with")
         todo.setdefault(baseline, arms[baseline])
-    log(f"calibration:{path} arms:{len(todo)} rounds:{ROUNDS} steps:{STEPS} (+{SKIP} untimed per round, "
-        f"{WARMUP} per stage first) machine:{here}")
-    for key, (name, _, _, trainer) in todo.items():
+    todo = {baseline: todo.pop(baseline), **todo}
+    units = [(key, index, trainer) for key, (_, _, _, trainers) in todo.items() for index, trainer in enumerate(trainers)]
+    log(f"calibration:{path} arms:{len(todo)} stages:{len(units)} rounds:{ROUNDS} steps:{STEPS} (+{SKIP} untimed "
+        f"per round, {WARMUP} first) machine:{here}")
+    for key, index, trainer in units:
         start = time.perf_counter()
-        for index in range(len(trainer.stages)):
-            trainer.timed_steps(index, WARMUP)
-        log(f"calibration warm-up {name}: {len(trainer.stages)} stages in {time.perf_counter() - start:.1f} s")
-    times = {key: [[] for _ in trainer.stages] for key, (_, _, _, trainer) in todo.items()}
+        trainer.timed_steps(index, WARMUP)
+        log(f"calibration warm-up {todo[key][0]} stage {index}: {time.perf_counter() - start:.1f} s")
+    medians = {(key, index): [] for key, index, _ in units}
     for r in range(ROUNDS):
-        for key, (name, _, _, trainer) in todo.items():  # the same order every round: drift moves every arm alike
-            for index, rounds in enumerate(times[key]):
-                rounds.append(trainer.timed_steps(index, SKIP + STEPS)[SKIP:])
-        log(f"calibration round {r + 1}/{ROUNDS}: " + " ".join(
-            f"{todo[k][0]}=" + "/".join(f"{statistics.median(s[-1]) * 1000:.1f}" for s in stages)
-            for k, stages in times.items()) + " ms")
+        for key, index, trainer in units if r % 2 == 0 else units[::-1]:
+            medians[key, index].append(statistics.median(trainer.timed_steps(index, SKIP + STEPS)[SKIP:]))
+        log(f"calibration round {r + 1}/{ROUNDS}: " + " ".join(f"{todo[k][0]}/{i}={m[-1] * 1000:.1f}"
+                                                             for (k, i), m in medians.items()) + " ms")
+    base = medians[baseline, 0]
+    level = statistics.median(base)
+    base_ms = old["arms"][baseline]["stages"][0]["step_ms"] if old else level * 1000
     new = {}
-    for key, (name, config, overrides, trainer) in todo.items():
+    for key, (name, config, overrides, trainers) in todo.items():
         stages = []
-        for rounds in times[key]:
-            medians = [statistics.median(r) * 1000 for r in rounds]
-            step_ms = statistics.median([t for r in rounds for t in r]) * 1000
-            stages.append(dict(step_ms=round(step_ms, 3), round_ms=[round(m, 2) for m in medians],
-                               spread=round((max(medians) - min(medians)) / step_ms, 4)))
-        new[key] = dict(name=name, config=str(config), overrides=list(overrides), dtype=trainer.backend.dtype_name,
-                        stages=stages)
+        for index in range(len(trainers)):
+            first = (key, index) == (baseline, 0)  # its rounds against its level: the machine's drift
+            logs = [math.log(m / (level if first else b)) for m, b in zip(medians[key, index], base)]
+            ratio = 1.0 if first else math.exp(statistics.median(logs))
+            stages.append(dict(step_ms=round(base_ms * ratio, 3), ratio=round(ratio, 5),
+                               se=round(statistics.stdev(logs) / math.sqrt(ROUNDS), 5),
+                               round_ms=[round(m * 1000, 2) for m in medians[key, index]]))
+        new[key] = dict(name=name, config=str(config), overrides=list(overrides),
+                        dtype=trainers[0].backend.dtype_name, stages=stages)
     date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if old:
-        scale = old["arms"][baseline]["stages"][0]["step_ms"] / new[baseline]["stages"][0]["step_ms"]
         for key in set(new) - set(old["arms"]):
-            for stage in new[key]["stages"]:
-                stage["step_ms"] *= scale
-            new[key]["added"] = f"{date}, scaled by the baseline's recorded cost over its cost then ({scale:.4f})"
-            old["arms"][key] = new[key]
+            old["arms"][key] = dict(new[key], added=f"{date}, by its ratio to the baseline measured then")
         doc = old
     else:
         doc = dict(version=VERSION, id=secrets.token_hex(6), machine=here, date=date,
                    method=dict(rounds=ROUNDS, steps=STEPS, skip=SKIP, warmup=WARMUP), baseline=baseline, arms=new)
     write(path, doc)
     for key, arm in new.items():
-        log(f"calibration {arm['name']}: " + ", ".join(f"stage {i} {s['step_ms']:.1f} ms (spread {s['spread']:.1%})"
-                                                         for i, s in enumerate(arm["stages"])))
+        log(f"calibration {arm['name']}: " + ", ".join(f"stage {i} {s['step_ms']:.1f} ms (x{s['ratio']:.4f}, "
+                                                         f"se {s['se']:.1%})" for i, s in enumerate(arm["stages"])))
     return doc

@@ -57,7 +57,7 @@ import clock
 import kernels
 import ledger
 import train
-from config import ConfigError, flatten, load_config, recipe
+from config import ConfigError, flatten, load_config, recipe, resolve_stages
 
 ROOT = Path(__file__).resolve().parent
 DONE = ("ok", "diverged")  # a diverged run is a result too: running it again would diverge again
@@ -186,8 +186,8 @@ class Sweep:
 
     def calibrate(self):
         """Measure the variants the sweep's calibration lacks (all, the first time), with the
-        baseline, each model built here once per distinct cost (variants that differ only in what
-        a step does not depend on share one)."""
+        baseline: a model built here per stage of each distinct cost (variants that differ only in
+        what a step does not depend on share one)."""
         arms, names = {}, {}
         for variant, cfg in self.configs.items():
             key = clock.cost_key(flatten(dataclasses.asdict(cfg)), self.data_sha[variant])
@@ -200,12 +200,14 @@ class Sweep:
             for key, variants in names.items():
                 if key not in known or key == base:
                     overrides = [*self.overrides(variants[0], timed=False), "budget.reference_step_ms=0"]
+                    cfg = load_config(self.config_file(variants[0]), overrides)
                     arms[key] = ("+".join(variants), self.config_file(variants[0]), overrides,
-                                 train.Trainer(load_config(self.config_file(variants[0]), overrides)))
+                                 [train.Trainer(cfg) for _ in resolve_stages(cfg)])
             clock.measure(arms, self.calibration, base, self.here, log=lambda line: print(line, flush=True))
         finally:
-            for *_, trainer in arms.values():
-                trainer.loader.close()
+            for *_, trainers in arms.values():
+                for trainer in trainers:
+                    trainer.loader.close()
 
     def config_file(self, variant) -> str:
         return self.spec["variant_configs"].get(variant, self.spec["config"])

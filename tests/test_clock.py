@@ -121,38 +121,47 @@ def test_a_reference_step_scales_every_cost_by_the_baselines(tmp_path):
 
 
 class FakeTrainer:
-    """What clock.measure uses of a Trainer, with step times it is told: (stage index) -> seconds."""
+    """What clock.measure uses of a Trainer: step times it is told, per stage, and a machine that
+    runs `slow` times slower in odd rounds (a drift that moves every arm alike)."""
 
-    def __init__(self, name, seconds, calls):
-        self.name, self.seconds, self.calls = name, seconds, calls
+    def __init__(self, name, seconds, calls, slow=1.0):
+        self.name, self.seconds, self.calls, self.slow = name, seconds, calls, slow
         self.stages = [None] * len(seconds)
         self.backend = type("Backend", (), {"dtype_name": "float32"})
 
     def timed_steps(self, index, steps):
         self.calls.append((self.name, index, steps))
-        return [self.seconds[index]] * steps
+        drift = self.slow if ((len(self.calls) - 1) // 4) % 2 else 1.0  # 4 units: warm-ups, then each round
+        return [self.seconds[index] * drift] * steps
 
 
-def test_calibration_interleaves_rounds_and_extends_by_the_baselines_ratio(tmp_path, monkeypatch):
-    monkeypatch.setattr(clock, "ROUNDS", 2)
+def test_calibration_interleaves_rounds_and_measures_ratios_to_the_baseline(tmp_path, monkeypatch):
+    monkeypatch.setattr(clock, "ROUNDS", 4)
     calls, path = [], tmp_path / "cal.json"
-    arms = {"ka": ("a", "a.yaml", [], FakeTrainer("a", [0.1], calls)),
-            "kb": ("b", "b.yaml", ["x=1"], FakeTrainer("b", [0.2, 0.3], calls))}
-    doc = clock.measure(arms, path, "ka", "here", log=lambda line: None)
-    warm = [("a", 0, clock.WARMUP), ("b", 0, clock.WARMUP), ("b", 1, clock.WARMUP)]
-    timed = [("a", 0, clock.SKIP + clock.STEPS), ("b", 0, clock.SKIP + clock.STEPS), ("b", 1, clock.SKIP + clock.STEPS)]
-    assert calls == warm + timed + timed  # A B ... A B ...: every round the same order
-    assert [s["step_ms"] for s in doc["arms"]["kb"]["stages"]] == pytest.approx([200, 300])
-    assert doc["arms"]["kb"]["stages"][0]["round_ms"] == [200, 200] and doc["baseline"] == "ka"
+    b = FakeTrainer("b", [0.2, 0.3], calls, slow=1.5)
+    arms = {"ka": ("a", "a.yaml", [], [FakeTrainer("a", [0.1], calls, slow=1.5)]),
+            "kb": ("b", "b.yaml", ["x=1"], [b, b]), "kc": ("c", "c.yaml", [], [FakeTrainer("c", [0.4], calls, slow=1.5)])}
+    doc = clock.measure(arms, path, "kb", "here", log=lambda line: None)
+    units = [("b", 0), ("b", 1), ("a", 0), ("c", 0)]  # the baseline first, then in order
+    timed = [(n, i, clock.SKIP + clock.STEPS) for n, i in units]
+    assert calls == [(n, i, clock.WARMUP) for n, i in units] + (timed + timed[::-1]) * 2  # A B C, C B A, ...
+    assert doc["baseline"] == "kb" and [s["ratio"] for s in doc["arms"]["kb"]["stages"]] == [1.0, 1.5]
+    assert doc["arms"]["ka"]["stages"][0]["ratio"] == 0.5 and doc["arms"]["kc"]["stages"][0]["ratio"] == 2.0
+    assert doc["arms"]["kc"]["stages"][0]["se"] == 0.0  # the drift cancels out of the ratios
+    assert doc["arms"]["kb"]["stages"][0]["se"] > 0  # but not out of the baseline's level
+    level = doc["arms"]["kb"]["stages"][0]["step_ms"]
+    assert doc["arms"]["kc"]["stages"][0]["step_ms"] == pytest.approx(2 * level)
     assert json.loads(path.read_text()) == doc
-    assert clock.measure(arms, path, "ka", "here") == doc  # nothing missing: nothing measured
-    # A new arm is measured with the baseline, which now runs 2x slower: the new arm's cost is halved.
-    more = {"ka": ("a", "a.yaml", [], FakeTrainer("a", [0.2], calls)), "kc": ("c", "c.yaml", [], FakeTrainer("c", [0.5], calls))}
-    extended = clock.measure(more, path, "ka", "here", log=lambda line: None)
-    assert extended["id"] == doc["id"] and extended["arms"]["ka"] == doc["arms"]["ka"]
-    assert extended["arms"]["kc"]["stages"][0]["step_ms"] == pytest.approx(250) and "scaled by" in extended["arms"]["kc"]["added"]
+    assert clock.measure(arms, path, "kb", "here") == doc  # nothing missing: nothing measured
+    # A new arm is measured with the baseline, which now runs 2x slower: its cost comes from the ratio.
+    more = {"kb": ("b", "b.yaml", [], [FakeTrainer("b", [0.4, 0.6], calls)] * 2),
+            "kd": ("d", "d.yaml", [], [FakeTrainer("d", [1.0], calls)])}
+    extended = clock.measure(more, path, "kb", "here", log=lambda line: None)
+    assert extended["id"] == doc["id"] and extended["arms"]["kb"] == doc["arms"]["kb"]
+    assert extended["arms"]["kd"]["stages"][0]["step_ms"] == pytest.approx(2.5 * level)
+    assert "ratio to the baseline" in extended["arms"]["kd"]["added"]
     with pytest.raises(ConfigError, match="was measured on here; this is elsewhere"):
-        clock.measure(more, path, "ka", "elsewhere")
+        clock.measure(more, path, "kb", "elsewhere")
 
 
 def test_a_calibrated_sweep_calibrates_once_and_its_rows_name_the_calibration(tmp_path, builtin_1024, monkeypatch):
