@@ -4,20 +4,26 @@ A run's val_bpb is, to float rounding, a function of its recipe, its seed and ho
 each annealing stage it gets; the machine only decides that last number. Under
 `budget.clock=calibrated` a step advances training time by its stage's calibrated cost instead of
 the seconds it took, so the step counts, and with them the result, are the same on a busy machine
-as on a quiet one. The costs come from a calibration: each arm's median step time per stage,
-measured after warm-up in interleaved rounds (A B C ... A B C ...), so that a drift of the
-machine's speed moves every arm alike. `wall` stays the default: it is what a real run is.
+as on a quiet one. `wall` stays the default: it is what a real run is.
 
-A calibration file (JSON, written by `measure` through `python sweep.py ... --calibrate-only` or
-any sweep with `clock: calibrated`):
+The costs come from a calibration (`measure`): each stage the arms of a sweep run, timed after
+warm-up in interleaved rounds, so that the machine's drift moves every stage alike and cancels out
+of their ratios. A stage is named by its cost key (`stage_key`): the model and what a step computes
+in that stage, not what it learns (LRs, init scales, switch points, the budget), so the same
+computation gets the same cost in every arm that runs it.
+
+A calibration file (JSON, written by `python sweep.py SWEEP --calibrate-only` or any sweep with
+`clock: calibrated`):
     id           12 hex digits, fixed when the file is first written; ledger rows name it
     machine      `machine()`: CPU model, family, model and ISA flags, CPUs, torch threads, torch version
-    date, method when it was measured; rounds, timed steps per stage per round, steps skipped first
-    baseline     the arm whose first-stage cost `budget.reference_step_ms` rescales (see `costs`)
-    arms         {cost key: {name, config, overrides, dtype, stages: [{step_ms, round_ms, spread}]}}
-where an arm's cost key is its recipe without what does not change a step's cost (`cost_key`), step_ms the median of all its timed steps, round_ms each round's median and spread
-(max - min) / median of those.
+    date, method when it was measured; rounds, timed steps per stage per round, steps run untimed first
+    baseline     the stage the others are measured against (and that `budget.reference_step_ms` sets)
+    stages       {stage key: {name, config, overrides, dtype, step_ms, ratio, se, round_ms}}
+where name is variant/stage index, step_ms the cost, ratio that over the baseline's, se the relative
+standard error of the ratio over the rounds (for the baseline, of its level: the machine's drift),
+and round_ms the median step of each round.
 """
+import dataclasses
 import json
 import math
 import os
@@ -30,9 +36,17 @@ from pathlib import Path
 from config import ConfigError, recipe
 
 VERSION = 1
-ROUNDS, STEPS, SKIP = 12, 6, 2  # per arm and stage: rounds, timed steps per round, steps run untimed before them
+# Per stage: rounds, timed steps per round, steps run untimed before them (after another stage ran).
+# On a 2-core VM the per-round ratio of two identical stages scattered by 11 % (sd of its log), so
+# the standard error after ROUNDS is about 0.11 / sqrt(ROUNDS): 1.7 %.
+ROUNDS, STEPS, SKIP = 40, 4, 1
 WARMUP = 3  # steps of each stage before the rounds (compilation, optimizer state)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # what decides a CPU's matmul speed here
+# Keys that change what a step learns but not what it computes (its shapes and operations).
+COST_IGNORED = ("optim.muon_lr", "optim.muon_momentum", "optim.muon_momentum_start", "optim.muon_momentum_warmup",
+                "optim.embed_lr", "optim.head_lr", "optim.scalar_lr", "optim.beta1", "optim.beta2",
+                "optim.weight_decay", "optim.warmup", "optim.warmdown", "optim.lr_floor", "model.qk_gain_init",
+                "model.embed_init_std", "model.rope_base")
 
 
 def machine(accelerator="") -> str:
@@ -51,20 +65,13 @@ def machine(accelerator="") -> str:
     return f"{accelerator or cpu}, {cpus} CPUs, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
-# Keys that change what a step learns but not what it computes (its shapes and operations): arms that
-# differ only in them, or in the budget or when their stages start, share one cost, so an LR or a
-# switch point is compared at exactly equal steps.
-COST_IGNORED = ("optim.muon_lr", "optim.muon_momentum", "optim.muon_momentum_start", "optim.muon_momentum_warmup",
-                "optim.embed_lr", "optim.head_lr", "optim.scalar_lr", "optim.beta1", "optim.beta2",
-                "optim.weight_decay", "optim.warmup", "optim.warmdown", "optim.lr_floor", "model.qk_gain_init",
-                "model.embed_init_std", "model.rope_base")
-
-
-def cost_key(flat_config: dict, data_sha: str) -> str:
-    """An arm's name in a calibration: its recipe without the budget, COST_IGNORED and the stages' `at`."""
-    kept = {k: v for k, v in flat_config.items() if not k.startswith("budget.") and k not in COST_IGNORED}
-    kept["schedule.stages"] = [{k: v for k, v in stage.items() if k != "at"} for stage in kept["schedule.stages"]]
-    return recipe(kept, data_sha)
+def stage_key(flat_config: dict, data_sha: str, stage) -> str:
+    """A stage's name in a calibration: the recipe without the budget, the schedule and COST_IGNORED,
+    with the resolved stage's shape (its depth, MLP width, sequence, tokens per step, capacity)."""
+    kept = {k: v for k, v in flat_config.items()
+            if not k.startswith(("budget.", "schedule.")) and k not in COST_IGNORED}
+    shape = {k: v for k, v in dataclasses.asdict(stage).items() if k not in ("at", "attn_scale", "mlp_scale")}
+    return recipe({**kept, "stage": shape}, data_sha)
 
 
 def read(path) -> dict:
@@ -72,7 +79,7 @@ def read(path) -> dict:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"budget.calibration={path}: cannot read a calibration from it ({e})") from None
-    if not isinstance(doc, dict) or doc.get("version") != VERSION or not {"id", "machine", "arms", "baseline"} <= set(doc):
+    if not isinstance(doc, dict) or doc.get("version") != VERSION or not {"id", "machine", "stages", "baseline"} <= set(doc):
         raise ConfigError(f"budget.calibration={path}: not a calibration file of version {VERSION} (see clock.py)")
     return doc
 
@@ -85,89 +92,79 @@ def write(path, doc: dict):
     os.replace(tmp, path)
 
 
-def costs(budget, key: str, stages: int, here: str):
-    """-> (calibration id, seconds per step of each stage) for a run under budget.clock=calibrated, from
-    the file budget.calibration: measured on this machine (`here`, which also decides what
-    device.dtype=auto computes in), holding this arm (cost `key`) with every stage. With budget.reference_step_ms every cost is scaled so that the
-    baseline arm's first stage costs that: a budget of the baseline's steps on a reference machine,
-    each other arm getting its steps by the cost ratio measured here."""
+def costs(budget, keys: list, here: str):
+    """-> (calibration id, seconds per step of each stage) for a run under budget.clock=calibrated
+    whose stages have cost `keys`, from the file budget.calibration, which must have been measured
+    on this machine (`here`, which also decides what device.dtype=auto computes in) and hold every
+    stage. With budget.reference_step_ms every cost is scaled so that the calibration's baseline
+    costs that: a budget of the baseline's steps on a reference machine, each other stage getting
+    its steps by its cost ratio measured here."""
     path, doc = budget.calibration, read(budget.calibration)
     if doc["machine"] != here:
         raise ConfigError(f"budget.calibration={path} was measured on {doc['machine']}; this is {here}: calibrate "
                           f"again here (python sweep.py SWEEP --calibrate-only)")
-    arm = doc["arms"].get(key)
-    if arm is None:
-        names = ", ".join(f"{a['name']} ({k})" for k, a in doc["arms"].items())
-        raise ConfigError(f"budget.calibration={path} has no arm with this run's model and stages (cost key {key}); "
-                          f"it has {names}: calibrate this config (python sweep.py SWEEP --calibrate-only)")
-    if len(arm["stages"]) != stages:
-        raise ConfigError(f"budget.calibration={path}: arm {arm['name']} has {len(arm['stages'])} stages measured, "
-                          f"this run has {stages}")
-    scale = 1.0
-    if budget.reference_step_ms:
-        scale = budget.reference_step_ms / doc["arms"][doc["baseline"]]["stages"][0]["step_ms"]
-    return doc["id"], [stage["step_ms"] / 1000 * scale for stage in arm["stages"]]
+    for index, key in enumerate(keys):
+        if key not in doc["stages"]:
+            names = ", ".join(stage["name"] for stage in doc["stages"].values())
+            raise ConfigError(f"budget.calibration={path} has no stage {index} of this run (cost key {key}); it has "
+                              f"{names}: calibrate this config (python sweep.py SWEEP --calibrate-only)")
+    scale = budget.reference_step_ms / doc["stages"][doc["baseline"]]["step_ms"] if budget.reference_step_ms else 1.0
+    return doc["id"], [doc["stages"][key]["step_ms"] / 1000 * scale for key in keys]
 
 
-def measure(arms: dict, path, baseline: str, here: str, log=print) -> dict:
-    """Calibrate `arms` ({cost key: (name, config, overrides, [a trainer per stage])}, every trainer
+def measure(stages: dict, path, baseline: str, here: str, log=print) -> dict:
+    """Calibrate `stages` ({stage key: (name, config, overrides, trainer, stage index)}, every trainer
     built in this process with budget.clock=wall) into the file `path`, or extend the calibration
-    there with the arms it lacks, measured with its baseline. Each trainer stays in its stage, as
-    a run does for hundreds of steps. Every round times SKIP + STEPS steps of each (arm, stage),
-    in one order, reversed every other round, so that the machine's drift, which moves a step's
-    time by 10-20 % within minutes on a shared 2-core VM, moves every arm alike and cancels out of
-    the ratios: a stage's cost is its median per-round ratio to the baseline's first stage, times
-    the baseline's median step (the recorded one when extending). -> the calibration."""
+    there with the stages it lacks, measured with its baseline. Each trainer stays in its stage, as
+    a run does for hundreds of steps. Every round times SKIP + STEPS steps of each stage, in one
+    order, reversed every other round, so that the machine's drift (a step's time moved by 10-20 %
+    within seconds on a shared 2-core VM) moves every stage alike and cancels out of the ratios: a
+    stage's cost is its median per-round ratio to the baseline, times the baseline's median step
+    (the recorded one when extending). -> the calibration."""
     old = read(path) if Path(path).is_file() else None
     if old and old["machine"] != here:
         raise ConfigError(f"{path} was measured on {old['machine']}; this is {here}")
-    todo = {k: a for k, a in arms.items() if not old or k not in old["arms"]}
+    todo = {k: s for k, s in stages.items() if not old or k not in old["stages"]}
     if not todo:
         return old
-    if old:
-        baseline = old["baseline"]
-        if baseline not in arms:
-            raise ConfigError(f"{path}: its baseline {baseline} is not among the arms to measure with")
-        todo.setdefault(baseline, arms[baseline])
-    todo = {baseline: todo.pop(baseline), **todo}
-    units = [(key, index, trainer) for key, (_, _, _, trainers) in todo.items() for index, trainer in enumerate(trainers)]
-    log(f"calibration:{path} arms:{len(todo)} stages:{len(units)} rounds:{ROUNDS} steps:{STEPS} (+{SKIP} untimed "
-        f"per round, {WARMUP} first) machine:{here}")
-    for key, index, trainer in units:
+    baseline = old["baseline"] if old else baseline
+    if baseline not in stages:
+        raise ConfigError(f"{path}: its baseline stage {baseline} is not among the stages to measure with")
+    todo = {baseline: stages[baseline], **{k: s for k, s in todo.items() if k != baseline}}
+    log(f"calibration:{path} stages:{len(todo)} rounds:{ROUNDS} steps:{STEPS} (+{SKIP} untimed per round, "
+        f"{WARMUP} first) machine:{here}")
+    for name, _, _, trainer, index in todo.values():
         start = time.perf_counter()
         trainer.timed_steps(index, WARMUP)
-        log(f"calibration warm-up {todo[key][0]} stage {index}: {time.perf_counter() - start:.1f} s")
-    medians = {(key, index): [] for key, index, _ in units}
+        log(f"calibration warm-up {name}: {time.perf_counter() - start:.1f} s")
+    medians = {key: [] for key in todo}
+    order = list(todo.items())
     for r in range(ROUNDS):
-        for key, index, trainer in units if r % 2 == 0 else units[::-1]:
-            medians[key, index].append(statistics.median(trainer.timed_steps(index, SKIP + STEPS)[SKIP:]))
-        log(f"calibration round {r + 1}/{ROUNDS}: " + " ".join(f"{todo[k][0]}/{i}={m[-1] * 1000:.1f}"
-                                                             for (k, i), m in medians.items()) + " ms")
-    base = medians[baseline, 0]
+        for key, (_, _, _, trainer, index) in order if r % 2 == 0 else order[::-1]:
+            medians[key].append(statistics.median(trainer.timed_steps(index, SKIP + STEPS)[SKIP:]))
+        if (r + 1) % 10 == 0 or r + 1 == ROUNDS:
+            log(f"calibration round {r + 1}/{ROUNDS}: " + " ".join(f"{todo[k][0]}={m[-1] * 1000:.1f}"
+                                                                 for k, m in medians.items()) + " ms")
+    base = medians[baseline]
     level = statistics.median(base)
-    base_ms = old["arms"][baseline]["stages"][0]["step_ms"] if old else level * 1000
+    base_ms = old["stages"][baseline]["step_ms"] if old else level * 1000
     new = {}
-    for key, (name, config, overrides, trainers) in todo.items():
-        stages = []
-        for index in range(len(trainers)):
-            first = (key, index) == (baseline, 0)  # its rounds against its level: the machine's drift
-            logs = [math.log(m / (level if first else b)) for m, b in zip(medians[key, index], base)]
-            ratio = 1.0 if first else math.exp(statistics.median(logs))
-            stages.append(dict(step_ms=round(base_ms * ratio, 3), ratio=round(ratio, 5),
-                               se=round(statistics.stdev(logs) / math.sqrt(ROUNDS), 5),
-                               round_ms=[round(m * 1000, 2) for m in medians[key, index]]))
-        new[key] = dict(name=name, config=str(config), overrides=list(overrides),
-                        dtype=trainers[0].backend.dtype_name, stages=stages)
+    for key, (name, config, overrides, trainer, _) in todo.items():
+        logs = [math.log(m / (level if key == baseline else b)) for m, b in zip(medians[key], base)]
+        ratio = 1.0 if key == baseline else math.exp(statistics.median(logs))
+        new[key] = dict(name=name, config=str(config), overrides=list(overrides), dtype=trainer.backend.dtype_name,
+                        step_ms=round(base_ms * ratio, 3), ratio=round(ratio, 5),
+                        se=round(statistics.stdev(logs) / math.sqrt(ROUNDS), 5),
+                        round_ms=[round(m * 1000, 2) for m in medians[key]])
     date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if old:
-        for key in set(new) - set(old["arms"]):
-            old["arms"][key] = dict(new[key], added=f"{date}, by its ratio to the baseline measured then")
+        for key in set(new) - set(old["stages"]):
+            old["stages"][key] = dict(new[key], added=f"{date}, by its ratio to the baseline measured then")
         doc = old
     else:
         doc = dict(version=VERSION, id=secrets.token_hex(6), machine=here, date=date,
-                   method=dict(rounds=ROUNDS, steps=STEPS, skip=SKIP, warmup=WARMUP), baseline=baseline, arms=new)
+                   method=dict(rounds=ROUNDS, steps=STEPS, skip=SKIP, warmup=WARMUP), baseline=baseline, stages=new)
     write(path, doc)
-    for key, arm in new.items():
-        log(f"calibration {arm['name']}: " + ", ".join(f"stage {i} {s['step_ms']:.1f} ms (x{s['ratio']:.4f}, "
-                                                         f"se {s['se']:.1%})" for i, s in enumerate(arm["stages"])))
+    for stage in new.values():
+        log(f"calibration {stage['name']}: {stage['step_ms']:.1f} ms (x{stage['ratio']:.4f}, se {stage['se']:.1%})")
     return doc

@@ -185,29 +185,30 @@ class Sweep:
         return clock.read(self.calibration)["id"] if self.calibration and self.calibration.is_file() else None
 
     def calibrate(self):
-        """Measure the variants the sweep's calibration lacks (all, the first time), with the
-        baseline: a model built here per stage of each distinct cost (variants that differ only in
-        what a step does not depend on share one)."""
-        arms, names = {}, {}
-        for variant, cfg in self.configs.items():
-            key = clock.cost_key(flatten(dataclasses.asdict(cfg)), self.data_sha[variant])
-            names.setdefault(key, []).append(variant)
-        known = clock.read(self.calibration)["arms"] if self.calibration.is_file() else {}
-        base = next(k for k, v in names.items() if self.spec["baseline"] in v)
-        if all(key in known for key in names):
+        """Measure the stages the sweep's calibration lacks (all, the first time), with its baseline
+        (the baseline variant's first stage): a model built here per distinct stage (one that
+        several variants run, or that differs only in what a step does not compute, is measured
+        once)."""
+        wanted = {}  # stage key -> (variant, stage index): the first variant that runs it, the baseline first
+        for variant in [self.spec["baseline"], *self.configs]:
+            flat = flatten(dataclasses.asdict(self.configs[variant]))
+            for index, stage in enumerate(resolve_stages(self.configs[variant])):
+                wanted.setdefault(clock.stage_key(flat, self.data_sha[variant], stage), (variant, index))
+        known = clock.read(self.calibration)["stages"] if self.calibration.is_file() else {}
+        base = next(iter(wanted))
+        if all(key in known for key in wanted):
             return
+        stages = {}
         try:
-            for key, variants in names.items():
+            for key, (variant, index) in wanted.items():
                 if key not in known or key == base:
-                    overrides = [*self.overrides(variants[0], timed=False), "budget.reference_step_ms=0"]
-                    cfg = load_config(self.config_file(variants[0]), overrides)
-                    arms[key] = ("+".join(variants), self.config_file(variants[0]), overrides,
-                                 [train.Trainer(cfg) for _ in resolve_stages(cfg)])
-            clock.measure(arms, self.calibration, base, self.here, log=lambda line: print(line, flush=True))
+                    overrides = [*self.overrides(variant, timed=False), "budget.reference_step_ms=0"]
+                    trainer = train.Trainer(load_config(self.config_file(variant), overrides))
+                    stages[key] = (f"{variant}/{index}", self.config_file(variant), overrides, trainer, index)
+            clock.measure(stages, self.calibration, base, self.here, log=lambda line: print(line, flush=True))
         finally:
-            for *_, trainers in arms.values():
-                for trainer in trainers:
-                    trainer.loader.close()
+            for stage in stages.values():
+                stage[3].loader.close()
 
     def config_file(self, variant) -> str:
         return self.spec["variant_configs"].get(variant, self.spec["config"])

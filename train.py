@@ -546,8 +546,8 @@ class Trainer:
         self.recipe, self.machine = recipe(flat, self.data_sha), clock.machine(self.backend.accelerator)
         self.calibration, self.step_costs = "", None  # the calibrated clock: seconds per step of each stage
         if cfg.budget.clock == "calibrated":
-            self.calibration, self.step_costs = clock.costs(cfg.budget, clock.cost_key(flat, self.data_sha),
-                                                            len(self.stages), self.machine)
+            self.calibration, self.step_costs = clock.costs(cfg.budget, [clock.stage_key(flat, self.data_sha, stage)
+                                                                         for stage in self.stages], self.machine)
         self.loader, self.loader_state, self.data_wait_s = None, None, 0.0
 
         self.model = GPT(cfg.model, cfg.mod, self.kernels).to(self.device)

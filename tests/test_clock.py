@@ -27,15 +27,20 @@ def args(tmp_path, *extra):
             f"run.out_dir={tmp_path / 'runs'}", *extra]
 
 
-def calibration(tmp_path, costs_ms, overrides=(), machine=None, name="cal.json"):
-    """A calibration file for the smoke config with `overrides`, written by hand: one arm, these costs."""
+def stage_keys(tmp_path, *overrides):
     cfg = load_config(SMOKE, args(tmp_path, *overrides))
-    key = clock.cost_key(config.flatten(dataclasses.asdict(cfg)), train.open_data(cfg)[3])
-    arm = dict(name="smoke", config=str(SMOKE), overrides=list(overrides), dtype="float32",
-               stages=[dict(step_ms=ms, round_ms=[ms], spread=0.0) for ms in costs_ms])
+    flat, data_sha = config.flatten(dataclasses.asdict(cfg)), train.open_data(cfg)[3]
+    return [clock.stage_key(flat, data_sha, stage) for stage in config.resolve_stages(cfg)]
+
+
+def calibration(tmp_path, costs_ms, overrides=(), machine=None, name="cal.json"):
+    """A calibration file for the stages of the smoke config with `overrides`, written by hand: these costs."""
+    keys = stage_keys(tmp_path, *overrides)
+    stages = {key: dict(name=f"smoke/{i}", config=str(SMOKE), overrides=list(overrides), dtype="float32", step_ms=ms,
+                        ratio=ms / costs_ms[0], se=0.0, round_ms=[ms]) for i, (key, ms) in enumerate(zip(keys, costs_ms))}
     path = tmp_path / name
     clock.write(path, dict(version=clock.VERSION, id="c0ffee000001", machine=machine or clock.machine(), date="-",
-                           method={}, baseline=key, arms={key: arm}))
+                           method={}, baseline=keys[0], stages=stages))
     return path
 
 
@@ -98,70 +103,65 @@ def test_a_calibration_that_does_not_fit_the_run_is_refused(tmp_path, builtin_10
     other = calibration(tmp_path, [62.5], machine="Some Other CPU (family 6, model 143; avx2), 2 CPUs", name="o.json")
     assert (f"budget.calibration={other} was measured on Some Other CPU (family 6, model 143; avx2), 2 CPUs; this is "
             f"{clock.machine()}: calibrate again here") in refused(other)
-    one_stage = calibration(tmp_path, [62.5], name="one.json")
-    assert "has no arm with this run's model and stages (cost key" in refused(one_stage, TWO_STAGES)
-    assert "it has smoke (" in refused(one_stage, "model.n_layer=3")
-    short = calibration(tmp_path, [62.5], [TWO_STAGES], name="short.json")
-    doc = json.loads(short.read_text())
-    for arm in doc["arms"].values():
-        arm["stages"] = arm["stages"][:1]
-    short.write_text(json.dumps(doc))
-    assert f"budget.calibration={short}: arm smoke has 1 stages measured, this run has 2" in refused(short, TWO_STAGES)
+    one_stage = calibration(tmp_path, [62.5], name="one.json")  # the full model: the second stage of TWO_STAGES
+    assert f"budget.calibration={one_stage} has no stage 0 of this run (cost key" in refused(one_stage, TWO_STAGES)
+    assert "; it has smoke/0: calibrate this config" in refused(one_stage, "model.n_layer=3")
+    assert stage_keys(tmp_path, TWO_STAGES)[1] == stage_keys(tmp_path)[0]  # the same computation, the same cost
+    assert stage_keys(tmp_path, "optim.muon_lr=0.1", "budget.seconds=9") == stage_keys(tmp_path)  # what a step learns
     (tmp_path / "bad.json").write_text("{}")
     assert "not a calibration file of version 1" in refused(tmp_path / "bad.json")
     assert "cannot read a calibration from it" in refused(tmp_path / "missing.json")
 
 
 def test_a_reference_step_scales_every_cost_by_the_baselines(tmp_path):
-    path = calibration(tmp_path, [50.0, 100.0])
-    key = next(iter(json.loads(path.read_text())["arms"]))
+    path = calibration(tmp_path, [50.0, 100.0], [TWO_STAGES])
+    keys = list(json.loads(path.read_text())["stages"])
     budget = load_config(SMOKE, ["budget.clock=calibrated", f"budget.calibration={path}",
                                  "budget.reference_step_ms=200"]).budget
-    assert clock.costs(budget, key, 2, clock.machine()) == ("c0ffee000001", [0.2, 0.4])
+    assert clock.costs(budget, keys[::-1], clock.machine()) == ("c0ffee000001", [0.4, 0.2])
 
 
 class FakeTrainer:
-    """What clock.measure uses of a Trainer: step times it is told, per stage, and a machine that
-    runs `slow` times slower in odd rounds (a drift that moves every arm alike)."""
+    """What clock.measure uses of a Trainer: step times it is told, per stage index, on a machine
+    that runs `slow` times slower in odd rounds (a drift that moves every stage alike)."""
 
     def __init__(self, name, seconds, calls, slow=1.0):
         self.name, self.seconds, self.calls, self.slow = name, seconds, calls, slow
-        self.stages = [None] * len(seconds)
         self.backend = type("Backend", (), {"dtype_name": "float32"})
 
     def timed_steps(self, index, steps):
         self.calls.append((self.name, index, steps))
-        drift = self.slow if ((len(self.calls) - 1) // 4) % 2 else 1.0  # 4 units: warm-ups, then each round
+        drift = self.slow if ((len(self.calls) - 1) // 4) % 2 else 1.0  # 4 stages: the warm-ups, then each round
         return [self.seconds[index] * drift] * steps
 
 
 def test_calibration_interleaves_rounds_and_measures_ratios_to_the_baseline(tmp_path, monkeypatch):
     monkeypatch.setattr(clock, "ROUNDS", 4)
     calls, path = [], tmp_path / "cal.json"
-    b = FakeTrainer("b", [0.2, 0.3], calls, slow=1.5)
-    arms = {"ka": ("a", "a.yaml", [], [FakeTrainer("a", [0.1], calls, slow=1.5)]),
-            "kb": ("b", "b.yaml", ["x=1"], [b, b]), "kc": ("c", "c.yaml", [], [FakeTrainer("c", [0.4], calls, slow=1.5)])}
-    doc = clock.measure(arms, path, "kb", "here", log=lambda line: None)
-    units = [("b", 0), ("b", 1), ("a", 0), ("c", 0)]  # the baseline first, then in order
+    a, b, c = (FakeTrainer(n, s, calls, slow=1.5) for n, s in (("a", [0.1]), ("b", [0.2, 0.3]), ("c", [0.4])))
+    stages = {"ka": ("a/0", "a.yaml", [], a, 0), "kb0": ("b/0", "b.yaml", ["x=1"], b, 0),
+              "kb1": ("b/1", "b.yaml", ["x=1"], b, 1), "kc": ("c/0", "c.yaml", [], c, 0)}
+    doc = clock.measure(stages, path, "kb0", "here", log=lambda line: None)
+    units = [("b", 0), ("a", 0), ("b", 1), ("c", 0)]  # the baseline first, then in order
     timed = [(n, i, clock.SKIP + clock.STEPS) for n, i in units]
     assert calls == [(n, i, clock.WARMUP) for n, i in units] + (timed + timed[::-1]) * 2  # A B C, C B A, ...
-    assert doc["baseline"] == "kb" and [s["ratio"] for s in doc["arms"]["kb"]["stages"]] == [1.0, 1.5]
-    assert doc["arms"]["ka"]["stages"][0]["ratio"] == 0.5 and doc["arms"]["kc"]["stages"][0]["ratio"] == 2.0
-    assert doc["arms"]["kc"]["stages"][0]["se"] == 0.0  # the drift cancels out of the ratios
-    assert doc["arms"]["kb"]["stages"][0]["se"] > 0  # but not out of the baseline's level
-    level = doc["arms"]["kb"]["stages"][0]["step_ms"]
-    assert doc["arms"]["kc"]["stages"][0]["step_ms"] == pytest.approx(2 * level)
+    ratios = {k: s["ratio"] for k, s in doc["stages"].items()}
+    assert doc["baseline"] == "kb0" and ratios == {"kb0": 1.0, "ka": 0.5, "kb1": 1.5, "kc": 2.0}
+    assert doc["stages"]["kc"]["se"] == 0.0  # the drift cancels out of the ratios
+    assert doc["stages"]["kb0"]["se"] > 0  # but not out of the baseline's level
+    level = doc["stages"]["kb0"]["step_ms"]
+    assert doc["stages"]["kc"]["step_ms"] == pytest.approx(2 * level)
     assert json.loads(path.read_text()) == doc
-    assert clock.measure(arms, path, "kb", "here") == doc  # nothing missing: nothing measured
-    # A new arm is measured with the baseline, which now runs 2x slower: its cost comes from the ratio.
-    more = {"kb": ("b", "b.yaml", [], [FakeTrainer("b", [0.4, 0.6], calls)] * 2),
-            "kd": ("d", "d.yaml", [], [FakeTrainer("d", [1.0], calls)])}
-    extended = clock.measure(more, path, "kb", "here", log=lambda line: None)
-    assert extended["id"] == doc["id"] and extended["arms"]["kb"] == doc["arms"]["kb"]
-    assert extended["arms"]["kd"]["stages"][0]["step_ms"] == pytest.approx(2.5 * level)
-    assert "ratio to the baseline" in extended["arms"]["kd"]["added"]
+    assert clock.measure(stages, path, "kb0", "here") == doc  # nothing missing: nothing measured
+    # A new stage is measured with the baseline, which now runs 2x slower: its cost comes from the ratio.
+    more = {"kb0": ("b/0", "b.yaml", [], FakeTrainer("b", [0.4], calls), 0),
+            "kd": ("d/0", "d.yaml", [], FakeTrainer("d", [1.0], calls), 0)}
+    extended = clock.measure(more, path, "ka", "here", log=lambda line: None)  # the file's baseline wins
+    assert extended["id"] == doc["id"] and extended["stages"]["kb0"] == doc["stages"]["kb0"]
+    assert extended["stages"]["kd"]["step_ms"] == pytest.approx(2.5 * level)
+    assert "ratio to the baseline" in extended["stages"]["kd"]["added"]
     with pytest.raises(ConfigError, match="was measured on here; this is elsewhere"):
-        clock.measure(more, path, "kb", "elsewhere")
+        clock.measure(more, path, "kb0", "elsewhere")
 
 
 def test_a_calibrated_sweep_calibrates_once_and_its_rows_name_the_calibration(tmp_path, builtin_1024, monkeypatch):
@@ -173,7 +173,7 @@ def test_a_calibrated_sweep_calibrates_once_and_its_rows_name_the_calibration(tm
     assert sweep.main([str(spec), "--calibrate-only", *args(tmp_path)]) == 0
     (path,) = (tmp_path / "tiny").glob("calibration-*.json")
     doc = clock.read(path)
-    assert [arm["name"] for arm in doc["arms"].values()] == ["narrow+lr"]  # an LR does not change a step's cost
+    assert [stage["name"] for stage in doc["stages"].values()] == ["narrow/0"]  # an LR does not change a step's cost
     assert sweep.main([str(spec), *args(tmp_path)]) == 0
     rows = ledger.read(tmp_path / "ledger.csv")
     assert len(rows) == 4 and {(r["clock"], r["calibration"]) for r in rows} == {("calibrated", doc["id"])}
@@ -182,7 +182,7 @@ def test_a_calibrated_sweep_calibrates_once_and_its_rows_name_the_calibration(tm
     spec.write_text(spec.read_text() + "  deep: [model.n_layer=3]\n")
     assert sweep.main([str(spec), "--max-runs", "0", "--calibrate-only", *args(tmp_path)]) == 0
     extended = clock.read(path)
-    assert extended["id"] == doc["id"] and len(extended["arms"]) == 2
+    assert extended["id"] == doc["id"] and len(extended["stages"]) == 2
 
 
 def test_a_sweep_file_names_a_clock_that_exists(tmp_path):
