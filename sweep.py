@@ -21,9 +21,9 @@ A sweep file (YAML):
 Overrides after the sweep file apply to every run (and so change the recipes: another arm).
 
 `clock: calibrated` runs every run under the calibrated clock (clock.py): first, alone on the
-machine, the calibration of every variant (each stage's median step time after warm-up, in
-interleaved rounds) into <name>/calibration-<machine hash>.json, which a resumed sweep reuses and
-extends with the variants it lacks; on another machine it is measured again. The runs themselves
+machine, the calibration of every stage the variants run (its cost relative to the baseline's
+first stage, in interleaved rounds) into <name>/calibration-<machine hash>.json, which a resumed
+sweep reuses and extends with the stages it lacks; on another machine it is measured again. The runs themselves
 then give the same steps and results however busy the machine is; only the calibration needs it
 alone. `--calibrate-only` stops after the calibration (a file a single run can take too:
 budget.clock=calibrated budget.calibration=FILE).
