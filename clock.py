@@ -36,10 +36,11 @@ from pathlib import Path
 from config import ConfigError, recipe
 
 VERSION = 1
-# Per stage: rounds, timed steps per round, steps run untimed before them (after another stage ran).
-# On a 2-core VM the per-round ratio of two identical stages scattered by 11 % (sd of its log), so
-# the standard error after ROUNDS is about 0.11 / sqrt(ROUNDS): 1.7 %.
-ROUNDS, STEPS, SKIP = 40, 4, 1
+# Per stage: rounds, timed steps per round, steps run untimed before them. On a 2-core VM the ratio
+# of two identical stages' round medians scattered by 11 % (sd of its log) and the first steps after
+# another stage ran were a few % slower than the later ones, so: steps 4-8 after a switch, and about
+# 0.11 / sqrt(ROUNDS) = 2 % standard error.
+ROUNDS, STEPS, SKIP = 30, 5, 3
 WARMUP = 3  # steps of each stage before the rounds (compilation, optimizer state)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # what decides a CPU's matmul speed here
 # Keys that change what a step learns but not what it computes (its shapes and operations).
