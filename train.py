@@ -287,7 +287,8 @@ class Backend:
 
     def peak_flops(self) -> tuple:
         """-> (FLOP/s, where it came from): PEAK_FLOPS for a known device, else measured here."""
-        name = self.accelerator if self.on_trainium else next((n for n in ("H100", "H200") if n in self.accelerator), "")
+        name = (f"trn2-lnc{os.environ.get('NEURON_LOGICAL_NC_CONFIG', '2')}" if self.on_trainium else
+                next((n for n in ("H100", "H200") if n in self.accelerator), ""))
         if (name, self.dtype) in PEAK_FLOPS:
             return PEAK_FLOPS[name, self.dtype], f"{name} datasheet"
         return self.measure_matmul_peak(), "measured"
