@@ -145,6 +145,7 @@ class EvalConfig:
 class DeviceConfig:
     type: str
     dtype: str
+    attn_dtype: str
     bf16: str
     compile: bool
     compile_cache: str
@@ -226,7 +227,8 @@ CHECKS = {
     "budget.reference_step_ms": non_negative, "eval.tokens": non_negative, "eval.batch_size": positive,
     "eval.every_seconds": non_negative, "eval.curve_tokens": non_negative,
     "device.type": one_of("auto", "cpu", "cuda", "xla", "neuron"),
-    "device.dtype": one_of("auto", "float32", "bfloat16"), "device.bf16": one_of("autocast", "weights"),
+    "device.dtype": one_of("auto", "float32", "bfloat16"),
+    "device.attn_dtype": one_of("auto", "float32", "compute"), "device.bf16": one_of("autocast", "weights"),
     "checkpoint.every_seconds": non_negative,
     **{f"kernels.{op}": one_of("auto", *kernels.IMPLS) for op in kernels.OPS},
 }
@@ -451,7 +453,7 @@ RECIPE_IGNORED = frozenset([
 # key is left out of the hash, so a config that does not use it keeps the recipe its earlier rows have.
 RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_buckets", "model.unet",
                   "optim.muon_momentum_start", "optim.muon_momentum_warmup", "schedule.grow_init",
-                  "budget.reference_step_ms")
+                  "budget.reference_step_ms", "device.attn_dtype")
 
 
 @functools.cache

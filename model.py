@@ -53,6 +53,7 @@ class Attention(nn.Module):
         self.rotary = Rotary(self.head_dim, cfg.rope_base)
         if value_embed:  # learned weight of the value embedding added to v (modded-nanogpt's lambda)
             self.ve_gate = nn.Parameter(torch.ones(()))
+        self.float32_core = False  # the SDPA core in float32 whatever the compute dtype (GPT's attn_float32)
 
     def forward(self, x, pos=None, mask=None, ve=None):
         """pos: (B, T) token positions (routed tiles keep their original ones); mask: (B, 1, T, T)
@@ -65,8 +66,13 @@ class Attention(nn.Module):
             v = v + self.ve_gate * ve.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         cos, sin = self.rotary(q, pos)
         q, k = self.kernels.qk_norm_rope(q, cos, sin, self.q_gain), self.kernels.qk_norm_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+        if self.float32_core:
+            with torch.autocast(x.device.type, enabled=False):
+                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=mask is None,
+                                                   enable_gqa=self.n_kv_head != self.n_head).to(v.dtype)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=self.n_kv_head != self.n_head)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -221,7 +227,9 @@ class GPT(nn.Module):
     kernels: a kernels.Kernels (kernels.resolve); None = the reference (kernels.REFERENCE).
     """
 
-    def __init__(self, cfg, mod=None, kernels=None):
+    def __init__(self, cfg, mod=None, kernels=None, attn_float32=False):
+        """attn_float32: the attention core (SDPA) runs in float32 inside a bfloat16 autocast or with
+        bfloat16 weights (the backend's choice, train.Backend.attn_float32); the rest as before."""
         super().__init__()
         self.cfg = cfg
         self.kernels = REFERENCE if kernels is None else kernels
@@ -238,6 +246,8 @@ class GPT(nn.Module):
         self.value_embed = nn.Parameter(torch.empty(cfg.vocab_size, kv_dim)) if cfg.value_embed else None
         self.bigram = nn.Parameter(torch.empty(cfg.bigram_buckets, cfg.n_embd)) if cfg.bigram_buckets else None
         self.blocks = nn.ModuleList(Block(cfg, self.kernels, i in self.ve_layers) for i in range(cfg.n_layer))
+        for block in self.blocks:
+            block.attn.float32_core = attn_float32
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.routers = nn.ModuleDict({str(i): TileRouter(cfg.n_embd, tile_size(mod), self.granularity == "token")
                                       for i in self.routed if self.granularity in TILED})

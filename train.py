@@ -195,6 +195,11 @@ class Backend:
         self.dtype = (torch.bfloat16 if native_bf16 else torch.float32) if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
         self.bf16_weights = self.dtype == torch.bfloat16 and cfg.bf16 == "weights"
+        # The attention core in float32 under bfloat16: on CPUs the bfloat16 SDPA backward cost 1.5-2.3x
+        # the float32 one (sweeps/attention_bench.py, docs/experiments.md "The step on bfloat16 CPUs");
+        # elsewhere unmeasured, so unchanged.
+        self.attn_float32 = self.dtype == torch.bfloat16 and (
+            cfg.attn_dtype == "float32" or cfg.attn_dtype == "auto" and self.kind == "cpu")
         # Loss sums in float64 where it is cheap; Neuron has no float64.
         self.sum_dtype = torch.float32 if self.kind in ("xla", "neuron") else torch.float64
         self.control = None
@@ -551,7 +556,7 @@ class Trainer:
                                                                          for stage in self.stages], self.machine)
         self.loader, self.loader_state, self.data_wait_s = None, None, 0.0
 
-        self.model = GPT(cfg.model, cfg.mod, self.kernels).to(self.device)
+        self.model = GPT(cfg.model, cfg.mod, self.kernels, self.backend.attn_float32).to(self.device)
         self.masters = {}  # bf16 weights: parameter -> its fp32 master copy, which the optimizers update
         if self.backend.bf16_weights:
             self.model.to(torch.bfloat16)
@@ -877,7 +882,7 @@ class Trainer:
         params = param_count(self.model)
         peak = backend.peak_flops()
         compiled = "ignored (xla: the step is one graph already)" if cfg.device.compile and backend.xla else self.compiled
-        self.log(f"device:{self.device} dtype:{backend.dtype_name} "
+        self.log(f"device:{self.device} dtype:{backend.dtype_name} attn_float32:{backend.attn_float32} "
                  f"bf16_weights:{backend.bf16_weights} world_size:{backend.world_size} params:{params} "
                  f"peak_flops:{peak[0]:.4g} ({peak[1]}) accum_steps:{self.accum_steps} "
                  f"data:{self.data_sha} resumed_from:{self.resumed['run_id'] if self.resumed else '-'} "
@@ -1065,7 +1070,7 @@ class Trainer:
             notes.append(f"budget {cfg.budget.seconds:g} s at the baseline's reference step of "
                          f"{cfg.budget.reference_step_ms:g} ms")
         if cfg.device.dtype == "auto":  # auto's choice depends on the CPU, not the recipe
-            notes.append(f"dtype={backend.dtype_name} (auto)")
+            notes.append(f"dtype={backend.dtype_name} (auto){', attention float32' if backend.attn_float32 else ''}")
         if self.curve_points:
             notes.append(f"curve_evals={self.curve_points} curve_eval_s={self.curve_s:.1f}")
         if compiles:

@@ -21,7 +21,7 @@ OPS = tuple(FUNCTIONS)
 IMPLS = ("torch", "triton", "nki")
 
 # What `auto` picks, per platform (platform()). The rule: an implementation is listed only where
-# `python -m kernels.bench` measured it faster than the reference on that platform; elsewhere the
+# `python -m tools.kernel_bench` measured it faster than the reference on that platform; elsewhere the
 # reference. Measured so far: nothing but the reference. No GPU or Trainium run has been made (the
 # Triton kernels were verified under TRITON_INTERPRET=1 on a CPU, which says nothing about speed),
 # so every entry is the reference until a bench table on CUDA (`python -m tools.gpu_check`) or

@@ -151,10 +151,19 @@ def test_bf16_weights_keep_fp32_masters(tmp_path, builtin_1024):
 def test_auto_dtype_is_bfloat16_only_on_cpus_with_native_bf16_matmuls(monkeypatch, tmp_path, avx512_bf16, amx, dtype):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    assert train.Backend(load_config(SMOKE, ["device.type=cpu", "device.dtype=auto"]).device).dtype == dtype
+    backend = train.Backend(load_config(SMOKE, ["device.type=cpu", "device.dtype=auto"]).device)
+    assert backend.dtype == dtype and backend.attn_float32 == (dtype == torch.bfloat16)
     if avx512_bf16:  # the ledger row says what auto chose
         assert train.main(smoke_args(tmp_path, "device.dtype=auto", "budget.max_steps=1")) == 0
-        assert "dtype=bfloat16 (auto)" in ledger.read(tmp_path / "ledger.csv")[-1]["notes"]
+        assert "dtype=bfloat16 (auto), attention float32" in ledger.read(tmp_path / "ledger.csv")[-1]["notes"]
+
+
+@pytest.mark.parametrize("dtype,attn_dtype,float32_core", [("bfloat16", "compute", False), ("float32", "float32", False),
+                                                           ("bfloat16", "float32", True)])
+def test_attention_dtype_choice(dtype, attn_dtype, float32_core):
+    backend = train.Backend(load_config(SMOKE, ["device.type=cpu", f"device.dtype={dtype}",
+                                                f"device.attn_dtype={attn_dtype}"]).device)
+    assert backend.attn_float32 == float32_core
 
 
 def test_missing_backends_are_clear_errors(tmp_path, capsys):

@@ -40,7 +40,7 @@ def test_the_steps_are_the_gpu_checks_within_8_minutes():
     assert overrides(train_argv) == {"budget.seconds": 150, "device.type": "cuda", "run.name": "gpu_check",
                                      "ledger.notes": "gpu_check: CUDA path"}  # a string, not a YAML mapping
     assert tests_argv[1:4] == ["-m", "pytest", "-q"] and "tests/test_kernels.py" in tests_argv
-    assert bench_argv[1:] == ["-m", "kernels.bench", "--config", "configs/base.yaml", "device.type=cuda"]
+    assert bench_argv[1:] == ["-m", "tools.kernel_bench", "--config", "configs/base.yaml", "device.type=cuda"]
     assert compiled_argv[1:4] == ["train.py", "--config", "configs/base.yaml"]
     assert overrides(compiled_argv) == {"budget.seconds": 60, "device.type": "cuda", "device.compile": True,
                                         "run.name": "gpu_check_compile",

@@ -54,3 +54,35 @@ def test_fresh_model_blocks_are_identity():
     shallow.wte.weight.data.copy_(deep.wte.weight)
     idx = torch.randint(0, deep.cfg.vocab_size, (1, 16))
     assert torch.equal(deep(idx), shallow(idx))
+
+
+@pytest.mark.parametrize("bf16", ["autocast", "weights"])
+def test_float32_attention_core_matches_the_reference(bf16):
+    """The float32 attention core under bfloat16 (train.Backend.attn_float32) computes the same function:
+    its loss and gradients agree with a float32 model's at least as well as the bfloat16 core's do."""
+    torch.manual_seed(0)
+    cfg = small_cfg(n_kv_head=2)
+    ref = GPT(cfg)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    idx = torch.randint(0, cfg.vocab_size, (2, 32))
+
+    def loss_and_grads(model, dtype):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast"):
+            loss = torch.nn.functional.cross_entropy(model(idx).float().flatten(0, 1), idx.roll(-1, 1).flatten())
+        loss.backward()
+        return loss.detach().float(), [p.grad.float() for p in model.parameters()]
+
+    want, want_grads = loss_and_grads(ref, "float32")
+    errors = {}
+    for float32_core in (False, True):
+        model = GPT(cfg, attn_float32=float32_core)
+        model.load_state_dict(ref.state_dict())
+        if bf16 == "weights":
+            model.to(torch.bfloat16)
+        assert all(b.attn.float32_core == float32_core for b in model.blocks)
+        loss, grads = loss_and_grads(model, bf16)
+        errors[float32_core] = max((g - w).norm() / w.norm() for g, w in zip(grads, want_grads) if w.norm() > 0)
+        assert abs(loss - want) < 0.02 * want
+    assert errors[True] < 0.05 and errors[True] <= errors[False] * 1.1, errors

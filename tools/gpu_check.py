@@ -5,7 +5,7 @@
 Runs STEPS in order, each a subprocess from the repository root with its own timeout (a failure or a
 hang does not stop the others), all within --minutes: (1) train.py, configs/base.yaml on CUDA for
 --train-seconds; (2) tests/test_kernels.py with the Triton kernels compiled, bf16 included; (3)
-python -m kernels.bench on CUDA; (4) a 60 s device.compile=true run. Both runs append to ledger.csv.
+python -m tools.kernel_bench on CUDA; (4) a 60 s device.compile=true run. Both runs append to ledger.csv.
 Writes, after every step: <out>/report.md (UTC date, GPU, versions; each step's command, rc, seconds,
 figures, output tail; the bench table verbatim), <out>/bench.txt, <out>/<step>.log (whole outputs),
 <out>/ledger_rows.csv (the rows the runs appended, to copy back). Exit 0 if every step passed, else 1;
@@ -47,7 +47,7 @@ def steps(train_seconds=TRAIN_SECONDS):
                    "device.type=cuda", "ledger.notes='gpu_check: CUDA path'", "run.name=gpu_check"],
          train_seconds + 40),
         ("kernel_tests", [py, "-m", "pytest", "-q", "-rs", "tests/test_kernels.py"], 90),
-        ("bench", [py, "-m", "kernels.bench", "--config", "configs/base.yaml", "device.type=cuda"], 40),
+        ("bench", [py, "-m", "tools.kernel_bench", "--config", "configs/base.yaml", "device.type=cuda"], 40),
         ("compile", [py, "train.py", "--config", "configs/base.yaml", f"budget.seconds={COMPILE_SECONDS}",
                      "device.type=cuda", "device.compile=true", "run.name=gpu_check_compile",
                      "ledger.notes='gpu_check: device.compile on CUDA'"], COMPILE_SECONDS + 80),

@@ -1,7 +1,8 @@
 """Forward + backward time of every implementation of every kernel op that can run on this
-backend, against the reference, at the shapes of a config; what kernels.AUTO is set from.
+backend, against the reference, at the shapes of a config; what kernels.AUTO is set from. A tool
+(tools/ may import train for Backend; the kernels package imports nothing of AION's).
 
-    python -m kernels.bench --config configs/base.yaml [key.sub=value ...] [--repeats 20 --warmup 5]
+    python -m tools.kernel_bench --config configs/base.yaml [key.sub=value ...] [--repeats 20 --warmup 5]
 
 Shapes: one micro-batch, N = optim.micro_batch * data.seq_len tokens: head x (N, n_embd) and the
 (vocab, n_embd) weight; rmsnorm (B, T, n_embd); qk_norm_rope (B, n_head, T, head_dim); relu2
@@ -9,8 +10,7 @@ Shapes: one micro-batch, N = optim.micro_batch * data.seq_len tokens: head x (N,
 (autocast): the residual stream (rmsnorm, the head's x and weight) in float32, the projections'
 outputs (qk_norm_rope, relu2) in the compute dtype. A timing is the median of --repeats calls of
 forward + backward after --warmup, bracketed by Backend.wait(); peak memory is CUDA's peak
-allocation during one call, above what the inputs hold. A tool, not part of the library: it may
-import train (for Backend) and config.
+allocation during one call, above what the inputs hold.
 """
 
 import argparse
@@ -91,7 +91,7 @@ def main(argv=None):
     backend = train.Backend(cfg.device)
     torch.manual_seed(cfg.run.seed)
     m = cfg.model
-    print(f"# kernels.bench {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} config:{args.config} "
+    print(f"# tools.kernel_bench {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} config:{args.config} "
           f"overrides:{' '.join(args.overrides) or '-'} device:{backend.device} dtype:{backend.dtype_name}"
           f" tokens:{cfg.optim.micro_batch * cfg.data.seq_len} (micro_batch {cfg.optim.micro_batch} x seq_len "
           f"{cfg.data.seq_len}) n_embd:{m.n_embd} heads:{m.n_head} vocab:{m.vocab_size} "
