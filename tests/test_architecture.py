@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-import train
+import optim
 from model import GPT, bigram_rows, param_count
 import config
 from config import load_config
@@ -131,7 +131,7 @@ def test_options_run_under_every_routing(granularity):
 def test_new_parameters_are_optimised_once_each():
     c = load_config("configs/smoke.yaml", [f"model.{k}={str(v).lower()}" for k, v in OPTIONS.items()])
     model = GPT(c.model)
-    matrices, adam = train.param_groups(model, c.optim)
+    matrices, adam = optim.param_groups(model, c.optim)
     grouped = [id(p) for p in matrices] + [id(p) for g in adam for p in g["params"]]
     assert sorted(grouped) == sorted(id(p) for p in model.parameters())
     assert {id(model.wte.weight), id(model.value_embed), id(model.bigram)} == {id(p) for p in adam[0]["params"]}
@@ -140,11 +140,11 @@ def test_new_parameters_are_optimised_once_each():
 def test_muon_momentum_warms_up_over_its_share_of_the_budget():
     o = load_config("configs/smoke.yaml", ["optim.muon_momentum=0.95", "optim.muon_momentum_start=0.85",
                                            "optim.muon_momentum_warmup=0.1"]).optim
-    assert train.muon_momentum(0.0, o) == pytest.approx(0.85)
-    assert train.muon_momentum(0.05, o) == pytest.approx(0.9)
-    assert train.muon_momentum(0.1, o) == train.muon_momentum(0.7, o) == 0.95
+    assert optim.muon_momentum(0.0, o) == pytest.approx(0.85)
+    assert optim.muon_momentum(0.05, o) == pytest.approx(0.9)
+    assert optim.muon_momentum(0.1, o) == optim.muon_momentum(0.7, o) == 0.95
     off = dataclasses.replace(o, muon_momentum_warmup=0.0)
-    assert train.muon_momentum(0.0, off) == 0.95
+    assert optim.muon_momentum(0.0, off) == 0.95
 
 
 def test_options_at_their_neutral_values_keep_earlier_recipes():

@@ -62,6 +62,10 @@ def test_a_calibrated_run_repeats_exactly_even_on_a_busy_machine(tmp_path, built
     assert first["step_cost_ms"] == "62.50" and float(first["train_s"]) == 1.25
     assert float(first["tokens_per_s"]) == 512 / 0.0625  # by the calibrated clock, not the machine's
     assert first["machine"] == clock.machine() and "measured_tokens_per_s=" in first["notes"]
+    notes = dict(note.split("=", 1) for note in first["notes"].split("; ") if "=" in note)
+    measured, peak = float(notes["measured_tokens_per_s"]), float(notes["peak_flops"].split()[0])
+    # MFU from what the steps really took, against the peak measured under the same load
+    assert float(first["mfu"]) == pytest.approx(float(first["flops_per_token"]) * measured / peak, rel=2e-3)
     again, losses_again = calibrated_run(tmp_path, path)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ledger
+import optim
 import train
 from train import ConfigError, load_config
 
@@ -96,7 +97,7 @@ def test_param_groups_cover_every_parameter_once(tie, granularity):
     cfg = load_config(SMOKE, [f"model.tie_embeddings={str(tie).lower()}", f"mod.granularity={granularity}",
                               "mod.layers=[1]", "mod.block_size=16"])
     model = train.GPT(cfg.model, cfg.mod)
-    matrices, adam = train.param_groups(model, cfg.optim)
+    matrices, adam = optim.param_groups(model, cfg.optim)
     grouped = [id(p) for p in matrices] + [id(p) for g in adam for p in g["params"]]
     assert sorted(grouped) == sorted(id(p) for p in model.parameters())
     assert all(p.ndim == 2 for p in matrices)
@@ -111,19 +112,19 @@ def test_param_groups_cover_every_parameter_once(tie, granularity):
 
 def test_lr_schedule_is_a_function_of_progress():
     o = load_config(SMOKE, ["optim.warmup=0.1", "optim.warmdown=0.4", "optim.lr_floor=0.1"]).optim
-    assert train.lr_scale(0.0, o) == 0.0
-    assert train.lr_scale(0.05, o) == pytest.approx(0.5)
-    assert train.lr_scale(0.3, o) == 1.0
-    assert train.lr_scale(0.6, o) == 1.0
-    assert train.lr_scale(0.8, o) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert train.lr_scale(1.0, o) == pytest.approx(0.1)
-    assert train.lr_scale(1.7, o) == pytest.approx(0.1)  # past the budget: the floor
+    assert optim.lr_scale(0.0, o) == 0.0
+    assert optim.lr_scale(0.05, o) == pytest.approx(0.5)
+    assert optim.lr_scale(0.3, o) == 1.0
+    assert optim.lr_scale(0.6, o) == 1.0
+    assert optim.lr_scale(0.8, o) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert optim.lr_scale(1.0, o) == pytest.approx(0.1)
+    assert optim.lr_scale(1.7, o) == pytest.approx(0.1)  # past the budget: the floor
 
 
 def test_newton_schulz_orthogonalises():
     torch.manual_seed(0)
     for shape in [(64, 32), (32, 64)]:
-        x = train.newton_schulz(torch.randn(shape), steps=5)
+        x = optim.newton_schulz(torch.randn(shape), steps=5)
         s = torch.linalg.svdvals(x)
         assert x.shape == shape
         assert s.min() > 0.5 and s.max() < 1.5  # the quintic trades exactness for speed: near 1
