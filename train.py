@@ -113,9 +113,9 @@ class Backend:
         self.dtype = (torch.bfloat16 if native_bf16 else torch.float32) if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
         self.bf16_weights = self.dtype == torch.bfloat16 and cfg.bf16 == "weights"
-        # The attention core in float32 under bfloat16: on CPUs the bfloat16 SDPA backward cost 1.5-2.3x
-        # the float32 one (sweeps/attention_bench.py, docs/experiments.md "The step on bfloat16 CPUs");
-        # elsewhere unmeasured, so unchanged.
+        # The attention core in float32 under bfloat16: on a CPU bfloat16 SDPA (forward + backward) took 2.3x
+        # as long as float32 and the step 1.41x (sweeps/attention_bench.py, docs/experiments.md "The step on
+        # bfloat16 CPUs"); elsewhere unmeasured, so unchanged.
         self.attn_float32 = self.dtype == torch.bfloat16 and (
             cfg.attn_dtype == "float32" or cfg.attn_dtype == "auto" and self.kind == "cpu")
         # Loss sums in float64 where it is cheap; Neuron has no float64.
