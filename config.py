@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import get_type_hints
@@ -76,6 +77,7 @@ class ModConfig:
     block_size: int
     capacity: float
     aux_weight: float
+    recur: bool
 
 
 @dataclass(frozen=True)
@@ -104,12 +106,16 @@ class ScheduleConfig:
     stages: tuple
     grow_depth: str
     grow_init: str
+    recur_gate: bool
 
 
 @dataclass(frozen=True)
 class Stage:
     """One entry of schedule.stages, resolved: what a stage leaves out carries over from the one
-    before it, and the first stage's from the full model."""
+    before it, and the first stage's from the full model. A stage is entered at progress `at` (a
+    fraction of the budget; one given in seconds is converted), or after at_tokens training tokens
+    when that is not 0. recur: passes through the loop span recur_span (its first and last position
+    among the active layers; the weights are shared), 1 = each active layer once."""
     at: float
     depth: int
     mlp_hidden: int
@@ -118,6 +124,18 @@ class Stage:
     mlp_scale: float
     capacity: float
     batch_tokens: int
+    at_tokens: int = 0
+    recur: int = 1
+    recur_span: tuple = ()
+
+    @property
+    def loop_layers(self) -> int:
+        return self.recur_span[1] - self.recur_span[0] + 1 if self.recur > 1 else 0
+
+    @property
+    def virtual_depth(self) -> int:
+        """Layers a token passes through: the active ones, and the loop's again on each extra pass."""
+        return self.depth + (self.recur - 1) * self.loop_layers
 
 
 MLP_GRANULE = 128  # stage MLP widths are multiples of this (the Trainium partition count), or the full width
@@ -342,10 +360,14 @@ def validate(cfg: Config):
         raise ConfigError(f"eval.curve_tokens ({cfg.eval.curve_tokens}) must be at least data.seq_len "
                           f"({cfg.data.seq_len}) when eval.every_seconds is set")
     r = cfg.mod
+    if r.recur and r.granularity not in ("block", "token"):
+        raise ConfigError(f"mod.recur: routes a loop's passes by tile or token, so it needs mod.granularity block or "
+                          f"token, got {r.granularity}")
     if r.granularity != "none":
-        if not r.layers or len(set(r.layers)) != len(r.layers) or not all(0 <= i < m.n_layer for i in r.layers):
+        if (not r.layers and not r.recur) or len(set(r.layers)) != len(r.layers) \
+                or not all(0 <= i < m.n_layer for i in r.layers):
             raise ConfigError(f"mod.layers: expected distinct layer indices in [0, {m.n_layer}) (model.n_layer), "
-                              f"got {list(r.layers)}")
+                              f"got {list(r.layers)} (empty only with mod.recur)")
         if r.granularity == "block" and cfg.data.seq_len % r.block_size:
             raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be a multiple of mod.block_size ({r.block_size})")
     b = cfg.budget
@@ -359,29 +381,69 @@ def validate(cfg: Config):
     resolve_stages(cfg)
 
 
+SWITCH_POINT = re.compile(r"^\s*([0-9][0-9.e+]*)\s*(s|tokens)\s*$")
+
+
+def switch_point(value, key: str, seconds: float) -> tuple:
+    """A stage's `at` -> (fraction of the budget, training tokens or 0): a number is a fraction of
+    budget.seconds, "45s" seconds of the budget's clock (kept as a fraction of it, so 45 s stay
+    45 s whatever the budget), "2e6 tokens" the training tokens after which the stage starts."""
+    if not isinstance(value, str):
+        return coerce(value, float, key), 0
+    match = SWITCH_POINT.match(value)
+    try:
+        number = float(match[1]) if match else None
+    except ValueError:
+        number = None
+    if number is None:
+        raise ConfigError(f"{key}: expected a fraction of the budget, seconds ('45s') or tokens ('2e6 tokens'), "
+                          f"got {value!r}")
+    if match[2] == "s":
+        return number / seconds, 0
+    if not number.is_integer() or number < 1:
+        raise ConfigError(f"{key}: expected a whole number of tokens >= 1, got {value!r}")
+    return 0.0, int(number)
+
+
 def resolve_stages(cfg: Config) -> tuple:
     """schedule.stages -> Stage tuple, each checked against the model; no stages = one static stage."""
     m, full_hidden = cfg.model, cfg.model.mlp_mult * cfg.model.n_embd
     previous = Stage(0.0, m.n_layer, full_hidden, cfg.data.seq_len, 1.0, 1.0, cfg.mod.capacity, cfg.optim.batch_tokens)
     if not cfg.schedule.stages:
+        if cfg.mod.recur:
+            raise ConfigError("mod.recur: routes the extra passes of a loop, but no schedule stage sets recur > 1")
         return (previous,)
-    fields, stages = get_type_hints(Stage), []
+    fields = {k: v for k, v in get_type_hints(Stage).items() if k != "at_tokens"}  # tokens are written in `at`
+    stages = []
+    by_tokens = any(isinstance(e, dict) and isinstance(e.get("at"), str) and e["at"].strip().endswith("tokens")
+                    for e in cfg.schedule.stages)
+    order = depth_order(m.n_layer, cfg.schedule.grow_depth)
     for n, entry in enumerate(cfg.schedule.stages):
         key = f"schedule.stages[{n}]"
         if not isinstance(entry, dict) or "at" not in entry:
-            raise ConfigError(f"{key}: expected a mapping with `at` (a fraction of the budget), got {entry!r}")
+            raise ConfigError(f"{key}: expected a mapping with `at` (a fraction of the budget, seconds or tokens), "
+                              f"got {entry!r}")
         for name in entry:
             if name not in fields:
                 close = difflib.get_close_matches(name, fields, n=1)
                 raise ConfigError(f"unknown key {key}.{name}; " + (f"did you mean {close[0]}?" if close else
                                                                    f"expected one of {', '.join(fields)}"))
-        stage = dataclasses.replace(previous, **{k: coerce(v, fields[k], f"{key}.{k}") for k, v in entry.items()})
+        at, at_tokens = switch_point(entry["at"], f"{key}.at", cfg.budget.seconds)
+        values = {k: coerce(v, fields[k], f"{key}.{k}") for k, v in entry.items() if k != "at"}
+        stage = dataclasses.replace(previous, at=at, at_tokens=at_tokens, **values)
         rows = stage_rows(cfg, stage)
         least = previous if n else Stage(0.0, 1, 1, 1, 0.0, 0.0, 0.0, 1)  # growth only: from the stage before
         copy = cfg.schedule.grow_init == "copy"
+        span = stage.recur_span
+        looped = sorted(order[:stage.depth])[span[0]:span[1] + 1] if stage.recur > 1 and len(span) == 2 else []
         problems = [
-            (n == 0 and stage.at != 0, "at: the first stage must be at 0"),
-            (n > 0 and not previous.at < stage.at < 1, f"at: expected increasing values in (0, 1), after {previous.at}"),
+            (n == 0 and (at, at_tokens) != (0, 0), "at: the first stage must be at 0"),
+            (n > 0 and by_tokens and not previous.at_tokens < at_tokens,
+             f"at: expected increasing token counts, after {previous.at_tokens} (a schedule switches by tokens "
+             f"or by time, not both)"),
+            (n > 0 and not by_tokens and not previous.at < at < 1,
+             f"at: expected increasing values in (0, 1), after {previous.at} (seconds count as fractions of "
+             f"budget.seconds, {cfg.budget.seconds:g})"),
             (not least.depth <= stage.depth <= m.n_layer,
              f"depth: expected {least.depth}..{m.n_layer} (growing, at most model.n_layer)"),
             (not least.mlp_hidden <= stage.mlp_hidden <= full_hidden
@@ -401,11 +463,22 @@ def resolve_stages(cfg: Config) -> tuple:
             (min(stage.attn_scale, stage.mlp_scale) < 0, "attn_scale, mlp_scale: expected >= 0"),
             (not 0 < stage.capacity <= 1, "capacity: expected in (0, 1]"),
             ("capacity" in entry and cfg.mod.granularity == "none", "capacity: needs mod.granularity other than none"),
+            (stage.recur < 1, "recur: expected passes through the loop span >= 1 (1 = no loop)"),
+            (stage.recur > 1 and not (len(span) == 2 and all(isinstance(i, int) for i in span)
+                                      and 0 <= span[0] <= span[1] < stage.depth),
+             f"recur_span: expected [first, last] positions of the active layers, 0 <= first <= last < depth "
+             f"({stage.depth})"),
+            (set(looped) & set(cfg.mod.layers) and cfg.mod.granularity != "none",
+             f"recur_span: the looped layers {looped} may not be Mixture-of-Depths layers (mod.layers; route the loop's "
+             f"passes with mod.recur instead)"),
+            (stage.recur > 1 and m.unet, "recur: a loop is not defined with model.unet's skips"),
         ]
         for failed, message in problems:
             if failed:
                 raise ConfigError(f"{key}.{message}, got {entry}")
         stages.append(previous := stage)
+    if cfg.mod.recur and all(stage.recur == 1 for stage in stages):
+        raise ConfigError("mod.recur: routes the extra passes of a loop, but no schedule stage sets recur > 1")
     return tuple(stages)
 
 
@@ -453,7 +526,7 @@ RECIPE_IGNORED = frozenset([
 # key is left out of the hash, so a config that does not use it keeps the recipe its earlier rows have.
 RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_buckets", "model.unet",
                   "optim.muon_momentum_start", "optim.muon_momentum_warmup", "schedule.grow_init",
-                  "budget.reference_step_ms", "device.attn_dtype")
+                  "budget.reference_step_ms", "device.attn_dtype", "mod.recur", "schedule.recur_gate")
 
 
 @functools.cache

@@ -2,16 +2,18 @@
 SwiGLU MLP, optional tied embeddings, logit soft-cap, zero-initialised output projections,
 optional Mixture-of-Depths routing of chosen layers by tile, token, layer or micro-batch, and optional
 speedrun-style additions (value embeddings, an embedding shortcut, a hashed bigram table, U-net
-skips). The hot ops (the head with its loss, the RMSNorms, QK-norm with rotary, ReLU^2) are
-called through a kernels.Kernels (the config section `kernels`); the default is their plain-torch
-reference.
+skips), and depth recursion: a span of the active layers looped with shared weights, each extra
+pass optionally gated and routed per tile or token (Mixture-of-Recursions). The hot ops (the head
+with its loss, the RMSNorms, QK-norm with rotary, ReLU^2) are called through a kernels.Kernels (the
+config section `kernels`); the default is their plain-torch reference.
 
 Shapes in comments: B batch, T sequence, C = n_embd, H heads, K kv heads, D = C // H, V vocab,
 n = T // block_size tiles, k selected units. The model config is any object with the attributes
 of the `model` section of configs/base.yaml; the routing config (`mod`) one with granularity,
-layers, block_size, capacity and aux_weight.
+layers, block_size, capacity, aux_weight and recur.
 """
 
+import functools
 import math
 
 import torch
@@ -221,15 +223,23 @@ class GPT(nn.Module):
       the routed layers (data order is shuffled, so this split is data-independent);
       evaluation takes the deep path for all.
     Skipped work is not computed. Shapes depend only on B, T and capacity (set_capacity).
+    Depth recursion (set_recursion): after the active layer at position `last` of a loop span
+    (first, last), the span's blocks run again, passes - 1 more times, with the same weights. Each
+    extra pass is a unit: with recur_gate it adds gate * (its output - its input), gate a learned
+    scalar per pass starting at 0 (entering the loop keeps the function); with mod.recur
+    (Mixture-of-Recursions, Bae et al. 2025) it has a TileRouter of its own, which sends
+    ceil(capacity * n) tiles or tokens of each sequence through it (granularity block or token).
+    The per-block input additions (bigram, x0 mix) enter on the first pass only.
     Optional additions (keys of the `model` section; off, the model is exactly the one without them):
     value_embed (a second embedding table, kv-wide, added to the values of every other layer, the
     last included, with a learned per-layer weight), and the block inputs of block_input.
     kernels: a kernels.Kernels (kernels.resolve); None = the reference (kernels.REFERENCE).
     """
 
-    def __init__(self, cfg, mod=None, kernels=None, attn_float32=False):
+    def __init__(self, cfg, mod=None, kernels=None, attn_float32=False, passes=1, recur_gate=False):
         """attn_float32: the attention core (SDPA) runs in float32 inside a bfloat16 autocast or with
-        bfloat16 weights (the backend's choice, train.Backend.attn_float32); the rest as before."""
+        bfloat16 weights (the backend's choice, train.Backend.attn_float32); the rest as before.
+        passes: the most passes any stage loops its span (the gates and routers the loop needs)."""
         super().__init__()
         self.cfg = cfg
         self.kernels = REFERENCE if kernels is None else kernels
@@ -253,6 +263,12 @@ class GPT(nn.Module):
                                       for i in self.routed if self.granularity in TILED})
         layer_routed = self.routed if self.granularity == "layer" else ()
         self.gates = nn.ParameterDict({str(i): nn.Parameter(torch.ones(())) for i in layer_routed})
+        self.mor = mod is not None and mod.recur
+        assert not self.mor or self.granularity in TILED, self.granularity
+        for j in range(1, passes if self.mor else 1):
+            self.routers[f"pass{j}"] = TileRouter(cfg.n_embd, tile_size(mod), self.granularity == "token")
+        self.recur_gates = nn.ParameterList(nn.Parameter(torch.zeros(())) for _ in range(passes - 1)) if recur_gate else None
+        self.max_passes, self.loop_span, self.passes = passes, (), 1  # GPT.set_recursion
         self.set_capacity(1.0 if mod is None else mod.capacity)
         self.active = tuple(range(cfg.n_layer))  # the blocks that run, in order (GPT.set_active)
         self.aux_loss = torch.zeros(())  # set by every forward: aux_weight * sum of the routers' BCE
@@ -271,6 +287,8 @@ class GPT(nn.Module):
                     nn.init.zeros_(m.bias)
         for gate in self.gates.values():
             nn.init.ones_(gate)
+        for gate in self.recur_gates or ():
+            nn.init.zeros_(gate)
         # Last, so that switching them on leaves every other initial weight as it was.
         if self.value_embed is not None:
             nn.init.normal_(self.value_embed, std=self.cfg.embed_init_std)
@@ -291,6 +309,21 @@ class GPT(nn.Module):
         self.active = tuple(sorted(layers))
         for block in self.blocks:
             block.mlp.hidden = mlp_hidden
+
+    def set_recursion(self, span, passes: int):
+        """Loop the active layers at positions span = (first, last) `passes` times in all (shared
+        weights); passes 1 = no loop. Call after set_active; a new loop is a new static graph."""
+        assert passes == 1 or (len(span) == 2 and 0 <= span[0] <= span[1] < len(self.active)), (span, self.active)
+        assert 1 <= passes <= self.max_passes, (passes, self.max_passes)
+        self.loop_span, self.passes = (tuple(span) if passes > 1 else ()), passes
+
+    def loop_pass(self, x, pos=None, mask=None, ve=None, gate=None):
+        """One extra pass of x (B, T', C) through the loop span's blocks; ve: these tokens' value
+        embeddings (B, T', K*D) or None; gate: None or the pass's learned gate."""
+        y = x
+        for i in self.active[self.loop_span[0]:self.loop_span[1] + 1]:
+            y = self.blocks[i](y, pos, mask, ve if i in self.ve_layers else None)
+        return y if gate is None else x + gate * (y - x)
 
     def set_residual_scales(self, attn: float, mlp: float):
         with torch.no_grad():
@@ -332,6 +365,16 @@ class GPT(nn.Module):
                 x = block(x, ve=ve)
             if self.cfg.unet and position < len(self.active) // 2:
                 skips.append(x)
+            extra = self.passes - 1 if self.loop_span and position == self.loop_span[1] else 0
+            for j in range(1, extra + 1):  # the loop's extra passes, after its last layer
+                gate = None if self.recur_gates is None else self.recur_gates[j - 1]
+                if self.mor:
+                    router = self.routers[f"pass{j}"]
+                    k = units_selected(self.capacity, x.size(1) // router.block_size)
+                    x, bce = router(functools.partial(self.loop_pass, gate=gate), x, k, values)
+                    aux = aux + bce
+                else:
+                    x = self.loop_pass(x, ve=values, gate=gate)
         self.aux_loss = self.aux_weight * aux
         return self.kernels.rmsnorm(x)
 
@@ -428,7 +471,7 @@ def active_params(model: GPT) -> int:
     return round(param_count(model) - blocks + active)
 
 
-def flops_per_token(cfg, seq_len: int, mod=None, layers=None, mlp_hidden=None) -> float:
+def flops_per_token(cfg, seq_len: int, mod=None, layers=None, mlp_hidden=None, loop_layers=0, passes=1) -> float:
     """Training FLOPs per token (forward + backward = 3 x forward, a multiply-add = 2 FLOPs).
     Counts every matmul: q, kv, attention output and MLP projections, the output head, and
     causal attention itself (QK^T and AV: 2 x 2 x C per key, T/2 keys on average). Embedding
@@ -437,7 +480,9 @@ def flops_per_token(cfg, seq_len: int, mod=None, layers=None, mlp_hidden=None) -
     its attention with s^2 for block and token routing (s*T queries over s*T keys) and s otherwise;
     these two add each layer's router and predictor, Linear(C, 1) each, once per tile. Gates,
     gathers and the evaluation mask are not counted.
-    layers, mlp_hidden: the active blocks and MLP width of an annealing stage (default: all)."""
+    layers, mlp_hidden: the active blocks and MLP width of an annealing stage (default: all).
+    loop_layers, passes: a loop of that many layers run `passes` times in all (the virtual depth);
+    with mod.recur each extra pass counts like a routed layer of each of its layers, plus its router."""
     layers = range(cfg.n_layer) if layers is None else layers
     C, L = cfg.n_embd, len(layers)
     kv_dim = cfg.n_kv_head * (C // cfg.n_head)
@@ -455,4 +500,9 @@ def flops_per_token(cfg, seq_len: int, mod=None, layers=None, mlp_hidden=None) -
         attention -= routed * (1 - attention_share) * layer_attention
         if tiled:
             matmul_params += routed * 2 * C / tile_size(mod)
+    if passes > 1:
+        mor = mod is not None and mod.recur
+        share = routed_share(mod, seq_len) if mor else 1.0
+        matmul_params += (passes - 1) * (loop_layers * share * layer_params + (2 * C / tile_size(mod) if mor else 0))
+        attention += (passes - 1) * loop_layers * share ** 2 * layer_attention
     return 3 * (2 * matmul_params + attention)

@@ -37,8 +37,8 @@ import data
 import kernels
 import kernels.profile
 import ledger
-from config import (BASE_CONFIG, ROOT, Config, ConfigError, DeviceConfig, ModConfig, ModelConfig, build,
-                    depth_order, flatten, load_config, recipe, resolve_stages, stage_rows)
+from config import (BASE_CONFIG, ROOT, Config, ConfigError, DeviceConfig, ModConfig, build, depth_order, flatten,
+                    load_chain, load_config, merge, recipe, resolve_stages, stage_rows)
 from model import GPT, active_params, flops_per_token, param_count
 from optim import lr_scale, make_optimizers, muon_momentum
 
@@ -353,9 +353,19 @@ def load_for_eval(checkpoint_path, device) -> torch.nn.Module:
     """The scorer contract: an eval-mode, single-device model whose forward(idx: LongTensor[B, T])
     returns logits [B, T, V] that depend only on the input tokens (causally)."""
     ckpt = load_checkpoint(checkpoint_path)
-    model = GPT(build(ModelConfig, ckpt["config"]["model"], "model."), build(ModConfig, ckpt["config"]["mod"], "mod."))
+    cfg = build(Config, merge(load_chain(BASE_CONFIG), ckpt["config"]))  # keys newer than the file at their defaults
+    stages = resolve_stages(cfg)
+    model = GPT(cfg.model, cfg.mod, passes=max(s.recur for s in stages), recur_gate=cfg.schedule.recur_gate)
     model.load_state_dict(ckpt["model"])
+    set_stage(model, cfg, stages[ckpt["timeline"][-1][0]])  # the shape it trained last
     return model.to(device).eval()
+
+
+def set_stage(model: GPT, cfg: Config, stage):
+    """The model's active layers, MLP width, capacity and loop in a stage."""
+    model.set_active(depth_order(cfg.model.n_layer, cfg.schedule.grow_depth)[:stage.depth], stage.mlp_hidden)
+    model.set_capacity(stage.capacity)
+    model.set_recursion(stage.recur_span, stage.recur)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -474,7 +484,8 @@ class Trainer:
                                                                          for stage in self.stages], self.machine)
         self.loader, self.loader_state, self.data_wait_s = None, None, 0.0
 
-        self.model = GPT(cfg.model, cfg.mod, self.kernels, self.backend.attn_float32).to(self.device)
+        self.model = GPT(cfg.model, cfg.mod, self.kernels, self.backend.attn_float32, max(s.recur for s in self.stages),
+                         cfg.schedule.recur_gate).to(self.device)
         self.masters = {}  # bf16 weights: parameter -> its fp32 master copy, which the optimizers update
         if self.backend.bf16_weights:
             self.model.to(torch.bfloat16)
@@ -499,7 +510,7 @@ class Trainer:
 
     @property
     def tokens(self) -> int:
-        """Training tokens so far, by each stage's tokens per step."""
+        """Training tokens so far, by each stage's tokens per step (0 before the first stage)."""
         return sum(steps * self.stages[index].batch_tokens for index, _, steps in self.timeline)
 
     @property
@@ -508,10 +519,12 @@ class Trainer:
         return self.steady_tokens / self.steady_s if self.steady_s else 0.0
 
     def stage_at(self, progress: float) -> int:
-        """The stage for this progress; never one before the latest entered (a resumed run with a
-        longer budget keeps its grown model)."""
+        """The stage for this progress, or for the tokens trained when the schedule switches by
+        tokens; never one before the latest entered (a resumed run with a longer budget keeps its
+        grown model)."""
         reached = self.stage if self.timeline else 0
-        return max(reached, max(i for i, stage in enumerate(self.stages) if stage.at <= progress))
+        return max(reached, max(i for i, stage in enumerate(self.stages)
+                                if (self.tokens >= stage.at_tokens if stage.at_tokens else stage.at <= progress)))
 
     def enter_stage(self, index: int):
         """Set the model's active layers, MLP width and capacity, the loader's sequence length and
@@ -525,8 +538,7 @@ class Trainer:
             before = self.stages[self.stage].depth
             for source, new in zip(order[2 * before - stage.depth:before], order[before:stage.depth]):
                 self.copy_block(source, new)
-        self.model.set_active(order[:stage.depth], stage.mlp_hidden)
-        self.model.set_capacity(stage.capacity)
+        set_stage(self.model, cfg, stage)
         # Tokens per step times b: the LR times sqrt(b) (the square-root rule for adaptive optimizers,
         # Malladi et al. 2022, arXiv 2205.10287).
         self.batch_lr = (stage.batch_tokens / cfg.optim.batch_tokens) ** 0.5
@@ -543,7 +555,7 @@ class Trainer:
             self.inputs = self.fetch()
         self.period = rotation_period(cfg.mod, stage.capacity)
         self.stage_flops_per_token = flops_per_token(cfg.model, stage.seq_len, dataclasses.replace(
-            cfg.mod, capacity=stage.capacity), self.model.active, stage.mlp_hidden)
+            cfg.mod, capacity=stage.capacity), self.model.active, stage.mlp_hidden, stage.loop_layers, stage.recur)
         if not self.timeline or self.stage != index:
             self.timeline.append([index, self.train_s, 0])
 
@@ -567,7 +579,8 @@ class Trainer:
         never jump (a jump would change the function the model computes)."""
         i = self.stage_at(progress)
         now, after = self.stages[i], self.stages[min(i + 1, len(self.stages) - 1)]
-        t = (progress - now.at) / (after.at - now.at) if after.at > now.at else 0.0
+        x, start, end = (self.tokens, now.at_tokens, after.at_tokens) if after.at_tokens else (progress, now.at, after.at)
+        t = (x - start) / (end - start) if end > start else 0.0
         return tuple(a + (b - a) * min(t, 1.0) for a, b in ((now.attn_scale, after.attn_scale),
                                                                (now.mlp_scale, after.mlp_scale)))
 
@@ -935,7 +948,8 @@ class Trainer:
         stage = self.stages[self.stage]
         self.log(f"stage:{self.stage} step:{self.step_count} train_s:{self.train_s:.1f} "
                  + " ".join(f"{k}:{v}" for k, v in dataclasses.asdict(stage).items())
-                 + f" active_params:{active_params(self.model)} flops_per_token:{self.stage_flops_per_token:.4g}")
+                 + f" virtual_depth:{stage.virtual_depth} active_params:{active_params(self.model)}"
+                 f" flops_per_token:{self.stage_flops_per_token:.4g}")
 
     def finish(self, status, error, params, peak, git_commit, git_dirty) -> dict:
         """Checkpoint (ok or interrupted runs), evaluate (ok runs), ledger row: always, also when
@@ -1015,7 +1029,7 @@ class Trainer:
             recipe=self.recipe, sweep=cfg.ledger.sweep, variant=cfg.ledger.variant, machine=self.machine,
             clock=cfg.budget.clock, calibration=self.calibration,
             step_cost_ms=" ".join(f"{c * 1000:.2f}" for c in self.step_costs or ()),
-            stages=" ".join(f"{i}@{start:.1f}s:{steps}" for i, start, steps in self.timeline))
+            stages=" ".join(f"{i}@{start:.1f}s:{steps}:d{self.stages[i].virtual_depth}" for i, start, steps in self.timeline))
         self.loader.close()
         if self.is_main:
             ledger.append(cfg.ledger.path, row)

@@ -19,7 +19,7 @@ def tiny_cfg(**changes):
 
 def mod_cfg(granularity, capacity=0.5):
     return SimpleNamespace(granularity=granularity, layers=ROUTED, block_size=BLOCK_SIZE,
-                           capacity=capacity, aux_weight=0.1)
+                           capacity=capacity, aux_weight=0.1, recur=False)
 
 
 def make(granularity, capacity=0.5, seed=0):

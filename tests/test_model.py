@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model import GPT, flops_per_token, param_count
-from train import ModelConfig, load_config
+from config import ModelConfig, load_config
 
 
 def small_cfg(**changes) -> ModelConfig:
