@@ -68,6 +68,7 @@ class ModelConfig:
     x0_shortcut: bool
     bigram_buckets: int
     unet: bool
+    parallel_layers: int
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class OptimConfig:
     warmdown: float
     lr_floor: float
     grad_clip: float
+    ema: float
 
 
 @dataclass(frozen=True)
@@ -229,7 +231,7 @@ CHECKS = {
     "data.prefetch": non_negative, "data.order": one_of(*data.ORDERS),
     "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
     "model.n_layer": positive, "model.n_embd": positive, "model.n_head": positive, "model.n_kv_head": positive,
-    "model.mlp_mult": positive, "model.mlp": one_of("relu2", "swiglu"), "model.logit_softcap": non_negative,
+    "model.mlp_mult": positive, "model.mlp": one_of("relu2", "leaky_relu2", "swiglu"), "model.logit_softcap": non_negative,
     "model.rope_base": positive, "mod.granularity": one_of("none", "block", "token", "layer", "microbatch"),
     "mod.block_size": positive, "mod.capacity": (lambda v: 0 < v <= 1, "in (0, 1]"), "mod.aux_weight": non_negative,
     "mod.layers": (lambda v: all(isinstance(i, int) and not isinstance(i, bool) for i in v), "a list of integers"),
@@ -237,6 +239,7 @@ CHECKS = {
     "model.bigram_buckets": (lambda v: v == 0 or v >= 2, "0 (off) or >= 2"), "optim.muon_momentum_start": fraction,
     "optim.muon_momentum_warmup": fraction, "optim.batch_tokens": positive,
     "optim.micro_batch": positive, "optim.muon_lr": non_negative, "optim.muon_momentum": fraction,
+    "optim.ema": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optim.muon_ns_steps": positive, "optim.embed_lr": non_negative, "optim.head_lr": non_negative,
     "optim.scalar_lr": non_negative, "optim.beta1": fraction, "optim.beta2": fraction,
     "optim.weight_decay": non_negative, "optim.warmup": fraction, "optim.warmdown": fraction,
@@ -349,6 +352,8 @@ def validate(cfg: Config):
     if m.n_embd % m.n_head or m.n_head % m.n_kv_head or (m.n_embd // m.n_head) % 2:
         raise ConfigError(f"model: n_embd ({m.n_embd}) must split into n_head ({m.n_head}) heads of even size, "
                           f"and n_kv_head ({m.n_kv_head}) must divide n_head")
+    if not 0 <= m.parallel_layers <= m.n_layer:
+        raise ConfigError(f"model.parallel_layers: expected 0..{m.n_layer} (at most model.n_layer), got {m.parallel_layers}")
     if o.warmup + o.warmdown > 1:
         raise ConfigError(f"optim.warmup + optim.warmdown must be <= 1, got {o.warmup} + {o.warmdown}")
     if o.batch_tokens % (o.micro_batch * cfg.data.seq_len):
@@ -525,6 +530,7 @@ RECIPE_IGNORED = frozenset([
 # Keys added after runs were recorded. At its configs/base.yaml value (where each changes nothing) such a
 # key is left out of the hash, so a config that does not use it keeps the recipe its earlier rows have.
 RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_buckets", "model.unet",
+                  "model.parallel_layers", "optim.ema",
                   "optim.muon_momentum_start", "optim.muon_momentum_warmup", "schedule.grow_init",
                   "budget.reference_step_ms", "device.attn_dtype", "mod.recur", "schedule.recur_gate")
 

@@ -85,6 +85,7 @@ class MLP(nn.Module):
         hidden = cfg.mlp_mult * cfg.n_embd
         self.hidden = hidden  # active hidden units: a static slice, set by GPT.set_active
         self.swiglu = cfg.mlp == "swiglu"
+        self.leaky = cfg.mlp == "leaky_relu2"
         self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * hidden, bias=False)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=False)
         self.c_proj.zero_init = True
@@ -96,6 +97,8 @@ class MLP(nn.Module):
             w_in = w_in if n == full else torch.cat((w_in[:n], w_in[full:full + n]))
             gate, up = F.linear(x, w_in).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, w_out)
+        if self.leaky:  # LeakyReLU(0.5)^2 (parameter-golf records): plain torch, the kernels cover relu2 only
+            return F.linear(F.leaky_relu(F.linear(x, w_in[:n]), 0.5).square(), w_out)
         return F.linear(self.kernels.relu2(F.linear(x, w_in[:n])), w_out)
 
 
@@ -115,8 +118,12 @@ class Block(nn.Module):
         # graph data on XLA, not a new graph. Not saved: the schedule sets them from progress.
         self.register_buffer("attn_scale", torch.ones(()), persistent=False)
         self.register_buffer("mlp_scale", torch.ones(()), persistent=False)
+        self.parallel = False  # attention and MLP read the same input (model.parallel_layers; set by GPT.set_active)
 
     def forward(self, x, pos=None, mask=None, ve=None):
+        if self.parallel:  # GPT-J / PaLM parallel residual: one norm, shared by both branches
+            h = self.kernels.rmsnorm(x)
+            return x + self.attn_scale * self.attn(h, pos, mask, ve) + self.mlp_scale * self.mlp(h)
         x = x + self.attn_scale * self.attn(self.kernels.rmsnorm(x), pos, mask, ve)
         return x + self.mlp_scale * self.mlp(self.kernels.rmsnorm(x))
 
@@ -270,7 +277,7 @@ class GPT(nn.Module):
         self.recur_gates = nn.ParameterList(nn.Parameter(torch.zeros(())) for _ in range(passes - 1)) if recur_gate else None
         self.max_passes, self.loop_span, self.passes = passes, (), 1  # GPT.set_recursion
         self.set_capacity(1.0 if mod is None else mod.capacity)
-        self.active = tuple(range(cfg.n_layer))  # the blocks that run, in order (GPT.set_active)
+        self.set_active(range(cfg.n_layer), cfg.mlp_mult * cfg.n_embd)  # every block, every MLP unit
         self.aux_loss = torch.zeros(())  # set by every forward: aux_weight * sum of the routers' BCE
         self.reset_parameters()
 
@@ -304,11 +311,15 @@ class GPT(nn.Module):
         """Run only `layers` (block indices), each MLP with its first mlp_hidden units: static
         slices, so inactive capacity costs no compute. Inactive weights get no gradient and keep
         their initial values, whose zero output projections make a block or hidden unit enter as
-        the identity (adds nothing): growth preserves the function."""
+        the identity (adds nothing): growth preserves the function. The last model.parallel_layers
+        active blocks are parallel (Block.parallel): it follows depth growth, and a block that leaves
+        the last ones at a switch turns sequential (the function is then not preserved)."""
         assert all(0 <= i < self.cfg.n_layer for i in layers) and 0 < mlp_hidden <= self.cfg.mlp_mult * self.cfg.n_embd
         self.active = tuple(sorted(layers))
-        for block in self.blocks:
+        parallel = self.active[max(0, len(self.active) - self.cfg.parallel_layers):]
+        for i, block in enumerate(self.blocks):
             block.mlp.hidden = mlp_hidden
+            block.parallel = i in parallel
 
     def set_recursion(self, span, passes: int):
         """Loop the active layers at positions span = (first, last) `passes` times in all (shared

@@ -351,7 +351,8 @@ def load_checkpoint(path) -> dict:
 
 def load_for_eval(checkpoint_path, device) -> torch.nn.Module:
     """The scorer contract: an eval-mode, single-device model whose forward(idx: LongTensor[B, T])
-    returns logits [B, T, V] that depend only on the input tokens (causally)."""
+    returns logits [B, T, V] that depend only on the input tokens (causally). Its weights are the
+    run's moving average when it had optim.ema > 0 (what the run evaluated), else the trained ones."""
     ckpt = load_checkpoint(checkpoint_path)
     cfg = build(Config, merge(load_chain(BASE_CONFIG), ckpt["config"]))  # keys newer than the file at their defaults
     stages = resolve_stages(cfg)
@@ -394,7 +395,7 @@ def check_writable(directory: Path, key: str):
 def check_memory(cfg: Config, backend: Backend):
     """Refuse a run that cannot fit before allocating it. A rough estimate, in bytes: each
     parameter 16 (fp32 weight, gradient, two optimizer moments; 20 with bf16 weights and fp32
-    masters), plus the activations autograd keeps for one micro-batch: 4 per value, per token
+    masters; 4 more with optim.ema), plus the activations autograd keeps for one micro-batch: 4 per value, per token
     n_layer x (8 + 3 x mlp_mult) x n_embd (norm inputs, q/k/v, attention output, residual, MLP
     hidden before and after its activation) and 4 x vocab_size (logits, softcap, log-softmax, its
     gradient). Against MemAvailable of the host (CPU, XLA on CPU: times the processes on it) or
@@ -412,7 +413,7 @@ def check_memory(cfg: Config, backend: Backend):
     layer = 2 * m.n_embd * m.n_embd + 2 * m.n_embd * kv_dim + (3 if m.mlp == "swiglu" else 2) * m.n_embd * hidden
     params = m.n_layer * layer + (1 if m.tie_embeddings else 2) * m.vocab_size * m.n_embd
     activations = 4 * tokens * (m.n_layer * (8 + 3 * m.mlp_mult) * m.n_embd + 4 * m.vocab_size)
-    need = params * (20 if backend.bf16_weights else 16) + activations
+    need = params * ((20 if backend.bf16_weights else 16) + (4 if cfg.optim.ema else 0)) + activations
     if need > available:
         raise ConfigError(f"model.n_layer={m.n_layer} model.n_embd={m.n_embd} model.mlp_mult={m.mlp_mult} "
                           f"model.vocab_size={m.vocab_size} optim.micro_batch={cfg.optim.micro_batch} data.seq_len="
@@ -491,6 +492,9 @@ class Trainer:
             self.model.to(torch.bfloat16)
             self.masters = {p: p.detach().float() for p in self.model.parameters()}
         self.optimizers = make_optimizers(self.model, cfg.optim, self.masters)
+        # optim.ema: each tensor the optimizers update (the fp32 master or the parameter) -> its moving average
+        updated = [self.masters.get(p, p) for p in self.model.parameters()]
+        self.ema = {w: w.detach().clone() for w in updated} if cfg.optim.ema else {}
         self.compiled = cfg.device.compile and not self.backend.xla
         self.loss = self.backend.compile(self.model.loss) if self.compiled else self.model.loss
         self.step_count, self.train_s, self.compile_s = 0, 0.0, 0.0
@@ -573,6 +577,8 @@ class Trainer:
             for opt in self.optimizers:
                 if src in opt.state:
                     opt.state[dst] = {k: v.clone() for k, v in opt.state[src].items()}
+            if self.ema:  # the copy's average starts as the source's, not as its own initial weights
+                self.ema[dst].copy_(self.ema[src])
 
     def residual_scales(self, progress: float):
         """(attn, mlp) branch scales: each stage's values at its `at`, linear in between, so they
@@ -600,7 +606,11 @@ class Trainer:
         return state
 
     def state(self) -> dict:
-        state = dict(model=self.model_state(), optimizers=[o.state_dict() for o in self.optimizers],
+        # `model` is what load_for_eval scores: with optim.ema the moving average, the weights then in `trained`.
+        trained = self.model_state()
+        model = {**trained, **{name: self.ema[self.masters.get(p, p)]
+                               for name, p in self.model.named_parameters()}} if self.ema else trained
+        state = dict(model=model, trained=trained if self.ema else {}, optimizers=[o.state_dict() for o in self.optimizers],
                      loader=self.loader_state, step=self.step_count, train_s=self.train_s,
                      compile_s=self.compile_s, run_id=self.run_id, config=dataclasses.asdict(self.cfg),
                      timeline=self.timeline, flops=self.flops,
@@ -612,11 +622,14 @@ class Trainer:
         return tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, state)
 
     def restore(self, ckpt: dict):
-        self.model.load_state_dict(ckpt["model"])
+        weights = ckpt.get("trained") or ckpt["model"]  # `model` is the average where there was one (state)
+        self.model.load_state_dict(weights)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 if p in self.masters:
-                    self.masters[p].copy_(ckpt["model"][name])
+                    self.masters[p].copy_(weights[name])
+                if self.ema:  # the saved average, or the weights where none was saved (optim.ema was 0)
+                    self.ema[self.masters.get(p, p)].copy_(ckpt["model"][name])
         for opt, state in zip(self.optimizers, ckpt["optimizers"]):
             # The state (moments, buffers) carries on; hyperparameters are this run's config's.
             settings = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
@@ -682,6 +695,8 @@ class Trainer:
             for p, master in self.masters.items():
                 p.copy_(master)
                 master.grad = None  # a parameter skipped next step (routing, annealing) must get no update
+            if self.ema:  # on the device, no host sync
+                torch._foreach_lerp_(list(self.ema.values()), list(self.ema), 1 - self.cfg.optim.ema)
         self.model.zero_grad(set_to_none=True)
         self.step_count += 1
         return loss
@@ -708,6 +723,7 @@ class Trainer:
         ranks. Every batch has the same shape (a short last one is padded and weighed 0), so
         XLA compiles one eval graph."""
         self.model.eval()
+        self.swap_ema()
         self.model.reset_routing_stats()
         batch, seq_len = self.cfg.eval.batch_size, self.cfg.data.seq_len
         # Made on the host, so every batch's graph sees them as data: one eval graph, not two.
@@ -736,9 +752,25 @@ class Trainer:
             self.backend.all_reduce_([agreement], mean=False)
             agree, tiles = agreement.tolist()
             self.routing_agreement = agree / tiles
+        self.swap_ema()
         self.model.train()
         (nll,), (n_bytes, n_tokens) = nll.tolist(), counts.tolist()
         return nll / n_tokens, nll / (math.log(2) * n_bytes), n_tokens, n_bytes
+
+    @torch.no_grad()
+    def swap_ema(self):
+        """optim.ema: exchange the weights the optimizers update with their moving average, in place (the
+        compiled loss stays bound to the same tensors), and refresh bf16 weights from their masters;
+        evaluation runs between two calls. On XLA the swap is a graph of its own (evaluation's stays one)."""
+        if not self.ema:
+            return
+        for weights, average in self.ema.items():
+            held = weights.clone()
+            weights.copy_(average)
+            average.copy_(held)
+        for p, master in self.masters.items():
+            p.copy_(master)
+        self.backend.mark_step()
 
     # -- the loop ------------------------------------------------------------------------------
     def on_signal(self, signum, frame):
