@@ -32,8 +32,10 @@ whose checkpoint exists resumes from it. Ctrl-C (SIGINT) or SIGTERM: the running
 checkpoint and writes an `interrupted` row, then the sweep stops; run the same command to resume.
 
 --ablate derives the variants from a config: `full`, and one per AION component switched off:
-routing (mod.granularity=none), annealing (no schedule), each schedule key (removed from every
-stage), copy growth (schedule.grow_init=zero) when the schedule copies, torch.compile
+routing (mod.granularity=none), Mixture-of-Recursions alone (mod.recur=false) when MoD layers
+stay, annealing (no schedule), each schedule key (removed from every stage; recur with its
+recur_span), copy growth (schedule.grow_init=zero) when the schedule copies, the loop's gate,
+the records' recipe items the config has (parallel_layers, ema, leaky_relu2), torch.compile
 (device.compile=false) when the config compiles, and each kernel that is not the reference on
 the run's backend (kernels.<op>=torch). The table then reads as each
 component's contribution: the full system (B) against the system without it (A).
@@ -138,14 +140,25 @@ def ablation(config: str, seeds: list, clock="wall") -> dict:
         return f"schedule.stages={flow([{k: v for k, v in s.items() if k not in keys} for s in stages])}"
 
     variants = {"full": []}
+    no_mor = ["mod.recur=false"] + (["mod.granularity=none"] if not cfg.mod.layers else []) if cfg.mod.recur else []
     if cfg.mod.granularity != "none":  # a schedule that sets capacity needs routing: drop it too
-        variants["no-routing"] = ["mod.granularity=none"] + ([stages_without("capacity")] if stages else [])
+        variants["no-routing"] = ["mod.granularity=none", *no_mor[:1]] + ([stages_without("capacity")] if stages else [])
+    if cfg.mod.recur and cfg.mod.layers:
+        variants["no-mor"] = no_mor
     if stages:
-        variants["no-annealing"] = ["schedule.stages=[]"]
-        for key in sorted({k for stage in stages for k in stage} - {"at"}):
-            variants[f"no-{key}"] = [stages_without(key)]
+        variants["no-annealing"] = ["schedule.stages=[]", *no_mor]
+        for key in sorted({k for stage in stages for k in stage} - {"at", "recur_span"}):  # a loop goes with its span
+            variants[f"no-{key}"] = [stages_without(key, "recur_span") if key == "recur" else stages_without(key),
+                                     *(no_mor if key == "recur" else [])]
         if cfg.schedule.grow_init == "copy":
             variants["zero-growth"] = ["schedule.grow_init=zero"]
+        if cfg.schedule.recur_gate:
+            variants["no-recur-gate"] = ["schedule.recur_gate=false"]
+    # The parameter-golf records' recipe items, when the config has them.
+    for name, off, on in (("no-parallel", "model.parallel_layers=0", cfg.model.parallel_layers),
+                          ("no-ema", "optim.ema=0", cfg.optim.ema), ("relu2", "model.mlp=relu2", cfg.model.mlp == "leaky_relu2")):
+        if on:
+            variants[name] = [off]
     if cfg.device.compile:
         variants["no-compile"] = ["device.compile=false"]
     kind = cfg.device.type if cfg.device.type != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -252,3 +252,19 @@ def test_a_sweep_resumes_only_from_a_readable_checkpoint_of_the_variants_recipe(
         train.save_checkpoint(ckpt, trainer.state())
         trainer.loader.close()
         assert resumes() == expected
+
+
+def test_ablation_of_a_loop_and_the_records_items(tmp_path):
+    looped = tmp_path / "looped.yaml"  # Mixture-of-Recursions only (no MoD layers), a gated loop, the records' items
+    looped.write_text(f"base: {SMOKE}\nmodel: {{n_layer: 3, parallel_layers: 1, mlp: leaky_relu2}}\noptim: {{ema: 0.99}}\n"
+                      "mod: {granularity: token, recur: true}\nschedule: {recur_gate: true, stages: "
+                      "[{at: 0, seq_len: 32}, {at: 0.5, seq_len: 64, recur: 2, recur_span: [1, 2]}]}\n")
+    spec = sweep.ablation(str(looped), [1])
+    assert list(spec["variants"]) == ["full", "no-routing", "no-annealing", "no-recur", "no-seq_len", "no-recur-gate",
+                                      "no-parallel", "no-ema", "relu2"]
+    assert spec["variants"]["no-recur"][1:] == ["mod.recur=false", "mod.granularity=none"]
+    for name, overrides in spec["variants"].items():  # every arm is a valid config
+        cfg = config.load_config(looped, overrides)
+        if name in ("no-routing", "no-annealing", "no-recur"):
+            assert all(stage.recur == 1 for stage in config.resolve_stages(cfg)) or name == "no-routing"
+            assert not cfg.mod.recur
