@@ -258,10 +258,15 @@ def test_resume_mid_schedule_restores_the_stage(tmp_path, builtin_1024, monkeypa
     assert [part.split("@")[0] for part in row["stages"].split()] == ["0", "1", "2"]
 
 
+LOOP_STAGES = ("mod.granularity=token", "mod.recur=true", "schedule.recur_gate=true",  # a routed, gated loop in two steps
+               "schedule.stages=[{at: 0}, {at: 0.3, recur: 2, recur_span: [0, 1]}, {at: 0.6, recur: 3}]")
+
+
 @pytest.mark.xla
-def test_precompile_runs_every_stage(tmp_path, builtin_1024):
+@pytest.mark.parametrize("stages", [(THREE_STAGES,), LOOP_STAGES], ids=["growth", "loop"])
+def test_precompile_runs_every_stage(tmp_path, builtin_1024, stages):
     cache = f"device.compile_cache={tmp_path / 'xla_cache'}"
-    args = ("device.type=xla", cache, WIDE, THREE_STAGES, "budget.seconds=4", "budget.max_steps=0")
+    args = ("device.type=xla", cache, WIDE, *stages, "budget.seconds=4", "budget.max_steps=0")
     launcher = (__import__("sys").executable, "-c", COUNTERS)
     out = run(smoke_args(tmp_path, *args, "run.precompile=true"), launcher)
     compiled = int(out.split("xla_compiles:")[1].split()[0])
