@@ -83,7 +83,7 @@ def test_calibrated_stages_follow_their_costs(tmp_path, builtin_1024):
     """Each stage advances by its own cost: 0.5 s of 31.25 ms steps (16), then 0.5 s of 62.5 ms (8)."""
     path = calibration(tmp_path, [31.25, 62.5], [TWO_STAGES])
     row, _ = calibrated_run(tmp_path, path, TWO_STAGES, "budget.seconds=1", "run.profile_steps=0")
-    assert row["stages"] == "0@0.0s:17 1@0.5s:8" and row["step_cost_ms"] == "31.25 62.50"
+    assert row["stages"] == "0@0.0s:17:d1 1@0.5s:8:d2" and row["step_cost_ms"] == "31.25 62.50"
 
 
 @pytest.mark.parametrize("extra, message", [
