@@ -395,10 +395,10 @@ def check_writable(directory: Path, key: str):
 def check_memory(cfg: Config, backend: Backend):
     """Refuse a run that cannot fit before allocating it. A rough estimate, in bytes: each
     parameter 16 (fp32 weight, gradient, two optimizer moments; 20 with bf16 weights and fp32
-    masters; 4 more with optim.ema), plus the activations autograd keeps for one micro-batch: 4 per value, per token
-    n_layer x (8 + 3 x mlp_mult) x n_embd (norm inputs, q/k/v, attention output, residual, MLP
-    hidden before and after its activation) and 4 x vocab_size (logits, softcap, log-softmax, its
-    gradient). Against MemAvailable of the host (CPU, XLA on CPU: times the processes on it) or
+    masters; 4 more with optim.ema), plus the activations autograd keeps for one micro-batch: 4 per
+    value, per token n_layer x (8 + 3 x mlp_mult) x n_embd (norm inputs, q/k/v, attention output,
+    residual, MLP hidden before and after its activation) and 4 x vocab_size (logits, softcap,
+    log-softmax, its gradient). Against MemAvailable of the host (CPU, XLA on CPU: times the processes on it) or
     the free memory of the GPU; not checked on Neuron (no query)."""
     m, tokens = cfg.model, cfg.optim.micro_batch * cfg.data.seq_len
     if backend.kind == "cuda":
