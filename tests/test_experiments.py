@@ -42,7 +42,9 @@ def test_recipe_ignores_exactly_the_fields_that_do_not_change_learning():
 
 
 # Runs in ledger.csv whose recipe today's configs must still give: (run id, overrides on top of the row's own).
-# Rows recorded before configs/cpu.yaml turned value embeddings and the bigram table on get them off again.
+# Rows recorded before configs/cpu.yaml turned value embeddings and the bigram table on get them off again;
+# every one of them had cpu.yaml's heads before issue 27 (4 of 24, 2 KV heads).
+OLD_HEADS = ("model.n_head=4", "model.n_kv_head=2")
 OLD_CPU = ("model.value_embed=false", "model.bigram_buckets=0")
 RECORDED = [("cpu-20261201-152908-fa5f", ()), ("mod-20261201-153204-3f75", ()), ("cpu-20261201-132541-d1b7", ()),
             ("cpu-20261201-131516-1a69", OLD_CPU), ("anneal-20261201-060817-7f56", OLD_CPU),
@@ -53,7 +55,7 @@ RECORDED = [("cpu-20261201-152908-fa5f", ()), ("mod-20261201-153204-3f75", ()), 
 @pytest.mark.parametrize("run_id, extra", RECORDED)
 def test_recipes_recorded_in_the_ledger_are_unchanged(run_id, extra):
     (row,) = [r for r in ledger.read(ROOT / "ledger.csv") if r["run_id"] == run_id]
-    cfg = config.load_config(ROOT / row["config"], [*row["overrides"].split(), *extra])
+    cfg = config.load_config(ROOT / row["config"], [*OLD_HEADS, *row["overrides"].split(), *extra])
     assert config.recipe(config.flatten(dataclasses.asdict(cfg)), row["data_sha"]) == row["recipe"]
 
 
