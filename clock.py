@@ -71,7 +71,8 @@ def stage_key(flat_config: dict, data_sha: str, stage) -> str:
     with the resolved stage's shape (its depth, MLP width, sequence, tokens per step, capacity)."""
     kept = {k: v for k, v in flat_config.items()
             if not k.startswith(("budget.", "schedule.")) and k not in COST_IGNORED}
-    shape = {k: v for k, v in dataclasses.asdict(stage).items() if k not in ("at", "attn_scale", "mlp_scale")}
+    shape = {k: v for k, v in dataclasses.asdict(stage).items() if k not in ("at", "at_tokens", "attn_scale", "mlp_scale")
+             and not (k in ("recur", "recur_span") and stage.recur == 1)}  # no loop: the key it had before loops
     return recipe({**kept, "stage": shape}, data_sha)
 
 

@@ -111,6 +111,16 @@ def test_a_calibration_that_does_not_fit_the_run_is_refused(tmp_path, builtin_10
     assert f"budget.calibration={one_stage} has no stage 0 of this run (cost key" in refused(one_stage, TWO_STAGES)
     assert "; it has smoke/0: calibrate this config" in refused(one_stage, "model.n_layer=3")
     assert stage_keys(tmp_path, TWO_STAGES)[1] == stage_keys(tmp_path)[0]  # the same computation, the same cost
+    # A stage without a loop keeps the key it had before loops existed (committed calibrations stay valid);
+    # a loop, its span and its pass count are costs; a switch point in tokens is not.
+    step_confirm = clock.read(ROOT / "sweeps" / "step_confirm" / "calibration-31b02d1d.json")
+    cfg = load_config(ROOT / "configs" / "cpu.yaml", args(tmp_path, "eval.every_seconds=0", "budget.reference_step_ms=0",
+                                                          "model.n_head=4", "model.n_kv_head=2"))
+    flat, data_sha = config.flatten(dataclasses.asdict(cfg)), train.open_data(cfg)[3]
+    assert clock.stage_key(flat, data_sha, config.resolve_stages(cfg)[0]) == step_confirm["baseline"]
+    loops = stage_keys(tmp_path, "schedule.stages=[{at: 0}, {at: 64 tokens, recur: 2, recur_span: [0, 1]}, "
+                                 "{at: 128 tokens, recur: 3}, {at: 192 tokens, recur_span: [1, 1]}]")
+    assert loops[0] == stage_keys(tmp_path)[0] and len(set(loops)) == 4
     assert stage_keys(tmp_path, "optim.muon_lr=0.1", "budget.seconds=9") == stage_keys(tmp_path)  # what a step learns
     (tmp_path / "bad.json").write_text("{}")
     assert "not a calibration file of version 1" in refused(tmp_path / "bad.json")
