@@ -237,17 +237,23 @@ def test_a_run_passes_every_stage(tmp_path, builtin_1024, monkeypatch):
     assert row["status"] == "ok" and math.isfinite(float(row["val_bpb"]))
 
 
-def test_resume_mid_schedule_restores_the_stage(tmp_path, builtin_1024, monkeypatch):
-    args = smoke_args(tmp_path, WIDE, THREE_STAGES, "budget.seconds=3", "budget.max_steps=0")[2:]
+def saved_mid_schedule(tmp_path, args, progress):
+    """A trainer of a 3 s budget (args) entered at `progress`, one step taken and saved -> (that trainer,
+    its checkpoint, a trainer resumed from it)."""
     first = train.Trainer(load_config(SMOKE, args))
-    first.train_s = 0.4 * 3  # in the middle stage
-    first.enter_stage(first.stage_at(0.4))
-    first.step(0.4)
+    first.train_s = progress * 3
+    first.enter_stage(first.stage_at(progress))
+    first.step(progress)
     first.timeline[-1][2] += 1
     checkpoint = tmp_path / "mid.pt"
     train.save_checkpoint(checkpoint, first.state())
     first.loader.close()
-    resumed = train.Trainer(load_config(SMOKE, [*args, f"checkpoint.resume={checkpoint}"]))
+    return first, checkpoint, train.Trainer(load_config(SMOKE, [*args, f"checkpoint.resume={checkpoint}"]))
+
+
+def test_resume_mid_schedule_restores_the_stage(tmp_path, builtin_1024, monkeypatch):
+    args = smoke_args(tmp_path, WIDE, THREE_STAGES, "budget.seconds=3", "budget.max_steps=0")[2:]
+    first, checkpoint, resumed = saved_mid_schedule(tmp_path, args, 0.4)  # in the middle stage
     assert resumed.stage == 1 and resumed.model.active == (0, 1)
     assert all(b.mlp.hidden == 128 for b in resumed.model.blocks) and resumed.loader.seq_len == 32
     assert resumed.timeline == first.timeline and resumed.loader_state == first.state()["loader"]

@@ -13,7 +13,7 @@ import ledger
 import train
 from config import ConfigError, load_config
 from model import GPT, flops_per_token
-from test_anneal import SMOKE, StepClock
+from test_anneal import SMOKE, StepClock, saved_mid_schedule
 from test_backends import smoke_args
 from test_mod import T, count_calls, mod_cfg, tiny_cfg, tokens
 
@@ -194,15 +194,9 @@ def test_a_run_across_a_loop_switch_resumes_and_loads(tmp_path, builtin_1024, mo
     first = train.Trainer(load_config(SMOKE, args))
     assert first.model.passes == 1 and first.stage_flops_per_token < flops_per_token(
         first.cfg.model, first.cfg.data.seq_len, first.cfg.mod, range(3), loop_layers=2, passes=3)
-    first.train_s = 0.6 * 3
-    first.enter_stage(first.stage_at(0.6))
-    assert (first.model.loop_span, first.model.passes) == ((1, 2), 3)
-    first.step(0.6)
-    first.timeline[-1][2] += 1
-    checkpoint = tmp_path / "looped.pt"
-    train.save_checkpoint(checkpoint, first.state())
     first.loader.close()
-    resumed = train.Trainer(load_config(SMOKE, [*args, f"checkpoint.resume={checkpoint}"]))
+    first, checkpoint, resumed = saved_mid_schedule(tmp_path, args, 0.6)
+    assert (first.model.loop_span, first.model.passes) == ((1, 2), 3)
     assert (resumed.stage, resumed.model.loop_span, resumed.model.passes) == (1, (1, 2), 3)
     assert resumed.stage_flops_per_token == first.stage_flops_per_token
     resumed.loader.close()
