@@ -18,7 +18,7 @@ A calibration file (JSON, written by `python sweep.py SWEEP --calibrate-only` or
     machine      `machine()`: CPU model, family, model and ISA flags, CPUs, torch threads, torch version
     date, method when it was measured; rounds, timed steps per stage per round, steps run untimed first
     baseline     the stage the others are measured against (and that `budget.reference_step_ms` sets)
-    stages       {stage key: {name, config, overrides, dtype, step_ms, ratio, se, round_ms}}
+    stages       {stage key: {name, config, overrides, dtype, step_ms, ratio, se, rounds, round_ms}}
 where name is variant/stage index, step_ms the cost, ratio that over the baseline's, se the relative
 standard error of the ratio over the rounds (for the baseline, of its level: the machine's drift),
 and round_ms the median step of each round.
@@ -114,7 +114,7 @@ def costs(budget, keys: list, here: str):
     return doc["id"], [doc["stages"][key]["step_ms"] / 1000 * scale for key in keys]
 
 
-def measure(stages: dict, path, baseline: str, here: str, log=print) -> dict:
+def measure(stages: dict, path, baseline: str, here: str, log=print, rounds=None) -> dict:
     """Calibrate `stages` ({stage key: (name, config, overrides, trainer, stage index)}, every trainer
     built in this process with budget.clock=wall) into the file `path`, or extend the calibration
     there with the stages it lacks, measured with its baseline. Each trainer stays in its stage, as
@@ -122,7 +122,8 @@ def measure(stages: dict, path, baseline: str, here: str, log=print) -> dict:
     order, reversed every other round, so that the machine's drift (a step's time moved by 10-20 %
     within seconds on a shared 2-core VM) moves every stage alike and cancels out of the ratios: a
     stage's cost is its median per-round ratio to the baseline, times the baseline's median step
-    (the recorded one when extending). -> the calibration."""
+    (the recorded one when extending). rounds: default ROUNDS. -> the calibration."""
+    rounds = rounds or ROUNDS
     old = read(path) if Path(path).is_file() else None
     if old and old["machine"] != here:
         raise ConfigError(f"{path} was measured on {old['machine']}; this is {here}")
@@ -133,7 +134,7 @@ def measure(stages: dict, path, baseline: str, here: str, log=print) -> dict:
     if baseline not in stages:
         raise ConfigError(f"{path}: its baseline stage {baseline} is not among the stages to measure with")
     todo = {baseline: stages[baseline], **{k: s for k, s in todo.items() if k != baseline}}
-    log(f"calibration:{path} stages:{len(todo)} rounds:{ROUNDS} steps:{STEPS} (+{SKIP} untimed per round, "
+    log(f"calibration:{path} stages:{len(todo)} rounds:{rounds} steps:{STEPS} (+{SKIP} untimed per round, "
         f"{WARMUP} first) machine:{here}")
     for name, _, _, trainer, index in todo.values():
         start = time.perf_counter()
@@ -141,11 +142,11 @@ def measure(stages: dict, path, baseline: str, here: str, log=print) -> dict:
         log(f"calibration warm-up {name}: {time.perf_counter() - start:.1f} s")
     medians = {key: [] for key in todo}
     order = list(todo.items())
-    for r in range(ROUNDS):
+    for r in range(rounds):
         for key, (_, _, _, trainer, index) in order if r % 2 == 0 else order[::-1]:
             medians[key].append(statistics.median(trainer.timed_steps(index, SKIP + STEPS)[SKIP:]))
-        if (r + 1) % 10 == 0 or r + 1 == ROUNDS:
-            log(f"calibration round {r + 1}/{ROUNDS}: " + " ".join(f"{todo[k][0]}={m[-1] * 1000:.1f}"
+        if (r + 1) % 10 == 0 or r + 1 == rounds:
+            log(f"calibration round {r + 1}/{rounds}: " + " ".join(f"{todo[k][0]}={m[-1] * 1000:.1f}"
                                                                  for k, m in medians.items()) + " ms")
     base = medians[baseline]
     level = statistics.median(base)
@@ -156,7 +157,7 @@ def measure(stages: dict, path, baseline: str, here: str, log=print) -> dict:
         ratio = 1.0 if key == baseline else math.exp(statistics.median(logs))
         new[key] = dict(name=name, config=str(config), overrides=list(overrides), dtype=trainer.backend.dtype_name,
                         step_ms=round(base_ms * ratio, 3), ratio=round(ratio, 5),
-                        se=round(statistics.stdev(logs) / math.sqrt(ROUNDS), 5),
+                        se=round(statistics.stdev(logs) / math.sqrt(rounds), 5), rounds=rounds,
                         round_ms=[round(m * 1000, 2) for m in medians[key]])
     date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if old:
@@ -165,7 +166,7 @@ def measure(stages: dict, path, baseline: str, here: str, log=print) -> dict:
         doc = old
     else:
         doc = dict(version=VERSION, id=secrets.token_hex(6), machine=here, date=date,
-                   method=dict(rounds=ROUNDS, steps=STEPS, skip=SKIP, warmup=WARMUP), baseline=baseline, stages=new)
+                   method=dict(rounds=rounds, steps=STEPS, skip=SKIP, warmup=WARMUP), baseline=baseline, stages=new)
     write(path, doc)
     for stage in new.values():
         log(f"calibration {stage['name']}: {stage['step_ms']:.1f} ms (x{stage['ratio']:.4f}, se {stage['se']:.1%})")

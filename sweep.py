@@ -2,7 +2,8 @@
 ledger with its sweep and variant, resumable after a kill, ending with the verdict table of every
 variant against the baseline (and its plots) in <sweep file's folder>/<name>/.
 
-    python sweep.py sweeps/batch_order.yaml [--nproc N] [--max-runs N] [--calibrate-only] [key.sub=value ...]
+    python sweep.py sweeps/batch_order.yaml [--nproc N | --jobs N] [--max-runs N] [--calibrate-only]
+                    [--calibration-rounds N] [key.sub=value ...]
     python sweep.py --ablate configs/aion.yaml [--seeds 1337 7] [--clock calibrated] [--nproc N] [key.sub=value ...]
 
 A sweep file (YAML):
@@ -26,7 +27,9 @@ first stage, in interleaved rounds) into <name>/calibration-<machine hash>.json,
 sweep reuses and extends with the stages it lacks; on another machine it is measured again. The runs themselves
 then give the same steps and results however busy the machine is; only the calibration needs it
 alone. `--calibrate-only` stops after the calibration (a file a single run can take too:
-budget.clock=calibrated budget.calibration=FILE).
+budget.clock=calibrated budget.calibration=FILE). So a calibrated sweep may run `--jobs N` runs at
+once, each on cpus/N threads: its calibration is then measured on that many threads too (the thread
+count is part of the calibration's machine), still alone.
 A (variant, seed) pair with an ok or diverged row of the variant's recipe is done and skipped; one
 whose checkpoint exists resumes from it. Ctrl-C (SIGINT) or SIGTERM: the running train.py saves a
 checkpoint and writes an `interrupted` row, then the sweep stops; run the same command to resume.
@@ -45,6 +48,7 @@ import dataclasses
 import hashlib
 import itertools
 import math
+import os
 import signal
 import statistics
 import subprocess
@@ -175,9 +179,17 @@ def ablation(config: str, seeds: list, clock="wall") -> dict:
 
 
 class Sweep:
-    def __init__(self, spec: dict, extra: list, nproc: int):
-        self.spec, self.extra, self.nproc = spec, extra, nproc
-        self.fingerprints, self.calibration = {}, None
+    def __init__(self, spec: dict, extra: list, nproc: int, jobs: int = 1, rounds: int = None):
+        self.spec, self.extra, self.nproc, self.jobs, self.rounds = spec, extra, nproc, jobs, rounds
+        self.fingerprints, self.calibration, self.threads = {}, None, None
+        if jobs > 1:
+            if spec["clock"] != "calibrated":
+                raise SweepError(f"sweep {spec['name']}: --jobs {jobs} needs clock: calibrated (runs that share the "
+                                 f"CPU under the wall clock get fewer steps than alone)")
+            if nproc > 1:
+                raise SweepError(f"sweep {spec['name']}: --jobs and --nproc cannot both be above 1")
+            self.threads = max(1, (os.cpu_count() or 1) // jobs)
+            torch.set_num_threads(self.threads)  # the calibration's threads: those of each run
         if spec["clock"] == "calibrated":
             base = load_config(self.config_file(spec["baseline"]), [*spec["overrides"], *spec["variants"][spec["baseline"]],
                                                                       *extra])
@@ -187,7 +199,7 @@ class Sweep:
         self.data_sha = {v: self.fingerprint(cfg) for v, cfg in self.configs.items()}
         self.recipes = {v: recipe(flatten(dataclasses.asdict(cfg)), self.data_sha[v])
                         for v, cfg in self.configs.items()}
-        self.stop_signal, self.child = None, None
+        self.stop_signal, self.children = None, []
 
     def overrides(self, variant, timed=True):
         """The variant's overrides; timed: with the sweep's clock (calibrated: its calibration file)."""
@@ -218,7 +230,8 @@ class Sweep:
                     overrides = [*self.overrides(variant, timed=False), "budget.reference_step_ms=0"]
                     trainer = train.Trainer(load_config(self.config_file(variant), overrides))
                     stages[key] = (f"{variant}/{index}", self.config_file(variant), overrides, trainer, index)
-            clock.measure(stages, self.calibration, base, self.here, log=lambda line: print(line, flush=True))
+            clock.measure(stages, self.calibration, base, self.here, log=lambda line: print(line, flush=True),
+                          rounds=self.rounds)
         finally:
             for stage in stages.values():
                 stage[3].loader.close()
@@ -270,8 +283,9 @@ class Sweep:
 
     def on_signal(self, signum, frame):
         self.stop_signal = signum  # the child got it too when it came from the terminal; a second one is harmless
-        if self.child and self.child.poll() is None:
-            self.child.send_signal(signum)
+        for child in self.children:
+            if child.poll() is None:
+                child.send_signal(signum)
 
     def run(self, max_runs=0, calibrate_only=False) -> int:
         name, seeds = self.spec["name"], self.spec["seeds"]
@@ -291,22 +305,25 @@ class Sweep:
               f"done_before:{len(pairs) - len([p for p in pairs if p not in done])} to_run_now:{len(todo)}", flush=True)
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         start, failed, walls = time.time(), [], []
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)} if self.threads else None
+        running = {}  # child -> (variant, seed, start time)
         try:
             for i, (variant, seed) in enumerate(todo):
+                while len(running) >= self.jobs:
+                    self.reap(running, walls, failed)
                 if self.stop_signal is not None:
                     break
-                per_run = sum(walls) / len(walls) if walls else self.configs[variant].budget.seconds + 60
+                per_run = (sum(walls) / len(walls) if walls else self.configs[variant].budget.seconds + 60) / self.jobs
                 left = per_run * (len(todo) - i)
                 print(f"sweep:{name} run {i + 1}/{len(todo)} variant:{variant} seed:{seed} "
                       f"elapsed:{(time.time() - start) / 60:.1f}min left:~{left / 60:.0f}min "
                       f"ends:~{time.strftime('%H:%M', time.gmtime(time.time() + left))} UTC"
                       f"{'' if walls else ' (estimate: budget + 60 s per run)'}", flush=True)
-                t0 = time.time()
-                self.child = subprocess.Popen(self.command(variant, seed))
-                code = self.child.wait()
-                walls.append(time.time() - t0)
-                if code not in (0, 1):  # 1: a diverged or failed run, which has its row
-                    failed.append(f"{variant} seed {seed} (exit {code})")
+                child = subprocess.Popen(self.command(variant, seed), env=env)
+                running[child] = (variant, seed, time.time())
+                self.children = list(running)
+            while running:
+                self.reap(running, walls, failed)
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -317,6 +334,16 @@ class Sweep:
         if failed:
             print(f"sweep:{name} runs that did not finish: {', '.join(failed)}", file=sys.stderr)
         return 1 if failed else 0
+
+    def reap(self, running, walls, failed):
+        """Wait for one of the running children to end and record it."""
+        while not (ended := [c for c in running if c.poll() is not None]):
+            time.sleep(0.5)
+        for child in ended:
+            variant, seed, t0 = running.pop(child)
+            walls.append(time.time() - t0)
+            if child.returncode not in (0, 1):  # 1: a diverged or failed run, which has its row
+                failed.append(f"{variant} seed {seed} (exit {child.returncode})")
 
     def report(self):
         """The verdict table (printed and written to <out>/verdict.md) and the plots beside it."""
@@ -375,8 +402,12 @@ def main(argv=None) -> int:
     parser.add_argument("--ablate", metavar="CONFIG", help="derive the variants from this config instead")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1337, 7], help="--ablate: the seeds (default 1337 7)")
     parser.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun --nproc_per_node)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once, each on cpus/N threads (clock: calibrated only; calibrated on that many threads)")
     parser.add_argument("--max-runs", type=int, default=0, help="run at most this many runs now (0 = all)")
     parser.add_argument("--clock", choices=("wall", "calibrated"), default="wall", help="--ablate: the runs' clock")
+    parser.add_argument("--calibration-rounds", type=int, default=clock.ROUNDS,
+                        help=f"rounds per stage of a calibration (default {clock.ROUNDS}; its standard error grows as 1/sqrt)")
     parser.add_argument("--calibrate-only", action="store_true", help="calibrate (clock: calibrated) and stop")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="for every run, after the variant's")
     args = parser.parse_intermixed_args(argv)  # options may come after the sweep file
@@ -387,7 +418,7 @@ def main(argv=None) -> int:
         parser.error("give a sweep file or --ablate CONFIG (not both)")
     try:
         spec = ablation(args.ablate, args.seeds, args.clock) if args.ablate else load_sweep(Path(args.sweep))
-        sweep = Sweep(spec, args.overrides, args.nproc)
+        sweep = Sweep(spec, args.overrides, args.nproc, args.jobs, args.calibration_rounds)
         return sweep.run(args.max_runs, args.calibrate_only)
     except (SweepError, ConfigError, train.data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)

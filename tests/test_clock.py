@@ -3,11 +3,13 @@
 and never mix clocks."""
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from scipy import stats
 
 import clock
@@ -197,6 +199,29 @@ def test_a_calibrated_sweep_calibrates_once_and_its_rows_name_the_calibration(tm
     assert sweep.main([str(spec), "--max-runs", "0", "--calibrate-only", *args(tmp_path)]) == 0
     extended = clock.read(path)
     assert extended["id"] == doc["id"] and len(extended["stages"]) == 2
+
+
+def test_a_calibrated_sweep_runs_jobs_at_once_each_on_its_share_of_the_threads(tmp_path, builtin_1024):
+    spec = tmp_path / "pair.yaml"
+    text = (f"name: pair\nconfig: {SMOKE}\nseeds: [1, 2]\n"
+            f"overrides: [budget.max_steps=0, budget.seconds=0.5, eval.tokens=1024, run.profile_steps=0]\n"
+            f"variants:\n  narrow: []\n  lr: [optim.muon_lr=0.02]\n")
+    spec.write_text(text)
+    with pytest.raises(sweep.SweepError, match="--jobs 2 needs clock: calibrated"):
+        sweep.Sweep(sweep.load_sweep(spec), [], nproc=1, jobs=2)
+    spec.write_text(text + "clock: calibrated\n")
+    threads, share = torch.get_num_threads(), max(1, (os.cpu_count() or 1) // 2)
+    try:
+        assert sweep.main([str(spec), "--jobs", "2", "--calibration-rounds", "2", *args(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    (path,) = (tmp_path / "pair").glob("calibration-*.json")
+    assert clock.read(path)["machine"].endswith(f", {share} threads, torch {torch.__version__}")
+    assert clock.read(path)["method"]["rounds"] == 2
+    rows = ledger.read(tmp_path / "ledger.csv")
+    assert sorted((r["variant"], r["seed"]) for r in rows) == [("lr", "1"), ("lr", "2"), ("narrow", "1"), ("narrow", "2")]
+    assert {r["machine"] for r in rows} == {clock.read(path)["machine"]}  # each run on the calibration's threads
+    assert "paired (2 seeds)" in (tmp_path / "pair" / "verdict.md").read_text()
 
 
 def test_a_sweep_file_names_a_clock_that_exists(tmp_path):
