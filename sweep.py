@@ -182,6 +182,9 @@ class Sweep:
     def __init__(self, spec: dict, extra: list, nproc: int, jobs: int = 1, rounds: int = None):
         self.spec, self.extra, self.nproc, self.jobs, self.rounds = spec, extra, nproc, jobs, rounds
         self.fingerprints, self.calibration, self.threads = {}, None, None
+        if jobs < 1 or (rounds is not None and rounds < 2):
+            raise SweepError(f"sweep {spec['name']}: --jobs must be at least 1 and --calibration-rounds at least 2 "
+                             f"(got {jobs} and {rounds})")
         if jobs > 1:
             if spec["clock"] != "calibrated":
                 raise SweepError(f"sweep {spec['name']}: --jobs {jobs} needs clock: calibrated (runs that share the "

@@ -209,6 +209,8 @@ def test_a_calibrated_sweep_runs_jobs_at_once_each_on_its_share_of_the_threads(t
     spec.write_text(text)
     with pytest.raises(sweep.SweepError, match="--jobs 2 needs clock: calibrated"):
         sweep.Sweep(sweep.load_sweep(spec), [], nproc=1, jobs=2)
+    with pytest.raises(sweep.SweepError, match="--jobs must be at least 1 .* \\(got 0 and None\\)"):
+        sweep.Sweep(sweep.load_sweep(spec), [], nproc=1, jobs=0)
     spec.write_text(text + "clock: calibrated\n")
     threads, share = torch.get_num_threads(), max(1, (os.cpu_count() or 1) // 2)
     try:
