@@ -202,7 +202,7 @@ class Sweep:
         self.data_sha = {v: self.fingerprint(cfg) for v, cfg in self.configs.items()}
         self.recipes = {v: recipe(flatten(dataclasses.asdict(cfg)), self.data_sha[v])
                         for v, cfg in self.configs.items()}
-        self.stop_signal, self.children = None, []
+        self.stop_signal, self.running = None, {}  # running: child -> (variant, seed, start time)
 
     def overrides(self, variant, timed=True):
         """The variant's overrides; timed: with the sweep's clock (calibrated: its calibration file)."""
@@ -286,7 +286,7 @@ class Sweep:
 
     def on_signal(self, signum, frame):
         self.stop_signal = signum  # the child got it too when it came from the terminal; a second one is harmless
-        for child in self.children:
+        for child in list(self.running):
             if child.poll() is None:
                 child.send_signal(signum)
 
@@ -309,11 +309,10 @@ class Sweep:
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         start, failed, walls = time.time(), [], []
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)} if self.threads else None
-        running = {}  # child -> (variant, seed, start time)
         try:
             for i, (variant, seed) in enumerate(todo):
-                while len(running) >= self.jobs:
-                    self.reap(running, walls, failed)
+                while len(self.running) >= self.jobs:
+                    self.reap(walls, failed)
                 if self.stop_signal is not None:
                     break
                 per_run = (sum(walls) / len(walls) if walls else self.configs[variant].budget.seconds + 60) / self.jobs
@@ -323,10 +322,9 @@ class Sweep:
                       f"ends:~{time.strftime('%H:%M', time.gmtime(time.time() + left))} UTC"
                       f"{'' if walls else ' (estimate: budget + 60 s per run)'}", flush=True)
                 child = subprocess.Popen(self.command(variant, seed), env=env)
-                running[child] = (variant, seed, time.time())
-                self.children = list(running)
-            while running:
-                self.reap(running, walls, failed)
+                self.running[child] = (variant, seed, time.time())
+            while self.running:
+                self.reap(walls, failed)
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -338,12 +336,12 @@ class Sweep:
             print(f"sweep:{name} runs that did not finish: {', '.join(failed)}", file=sys.stderr)
         return 1 if failed else 0
 
-    def reap(self, running, walls, failed):
-        """Wait for one of the running children to end and record it."""
-        while not (ended := [c for c in running if c.poll() is not None]):
+    def reap(self, walls, failed):
+        """Wait for a running child to end and record every one that has."""
+        while not (ended := [c for c in self.running if c.poll() is not None]):
             time.sleep(0.5)
         for child in ended:
-            variant, seed, t0 = running.pop(child)
+            variant, seed, t0 = self.running.pop(child)
             walls.append(time.time() - t0)
             if child.returncode not in (0, 1):  # 1: a diverged or failed run, which has its row
                 failed.append(f"{variant} seed {seed} (exit {child.returncode})")
