@@ -69,6 +69,16 @@ class ModelConfig:
     bigram_buckets: int
     unet: bool
     parallel_layers: int
+    doc_mask: bool
+    smear_gate: bool
+    gate_window: int
+    attn_gate: str
+    attn_gate_scale: float
+    rope_fraction: float
+    ln_scale: bool
+    skip_gates: bool
+    xsa_layers: int
+    parallel_lanes: int
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,9 @@ class OptimConfig:
     muon_momentum_start: float
     muon_momentum_warmup: float
     muon_ns_steps: int
+    muon_ns: str
+    muon_row_norm: bool
+    muon_wd: float
     embed_lr: float
     head_lr: float
     scalar_lr: float
@@ -117,7 +130,8 @@ class Stage:
     before it, and the first stage's from the full model. A stage is entered at progress `at` (a
     fraction of the budget; one given in seconds is converted), or after at_tokens training tokens
     when that is not 0. recur: passes through the loop span recur_span (its first and last position
-    among the active layers; the weights are shared), 1 = each active layer once."""
+    among the active layers; the weights are shared), 1 = each active layer once. doc_mask and
+    xsa_layers: model.doc_mask and model.xsa_layers in this stage."""
     at: float
     depth: int
     mlp_hidden: int
@@ -129,6 +143,8 @@ class Stage:
     at_tokens: int = 0
     recur: int = 1
     recur_span: tuple = ()
+    doc_mask: bool = False
+    xsa_layers: int = 0
 
     @property
     def loop_layers(self) -> int:
@@ -232,7 +248,10 @@ CHECKS = {
     "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
     "model.n_layer": positive, "model.n_embd": positive, "model.n_head": positive, "model.n_kv_head": positive,
     "model.mlp_mult": positive, "model.mlp": one_of("relu2", "leaky_relu2", "swiglu"), "model.logit_softcap": non_negative,
-    "model.rope_base": positive, "mod.granularity": one_of("none", "block", "token", "layer", "microbatch"),
+    "model.rope_base": positive, "model.attn_gate": one_of("none", "dense", "sparse"),
+    "model.attn_gate_scale": positive, "model.rope_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "model.parallel_lanes": (lambda v: v in (1, 2), "1 or 2"), "optim.muon_ns": one_of("quintic", "polar_express"),
+    "optim.muon_wd": non_negative, "mod.granularity": one_of("none", "block", "token", "layer", "microbatch"),
     "mod.block_size": positive, "mod.capacity": (lambda v: 0 < v <= 1, "in (0, 1]"), "mod.aux_weight": non_negative,
     "mod.layers": (lambda v: all(isinstance(i, int) and not isinstance(i, bool) for i in v), "a list of integers"),
     "schedule.grow_depth": one_of("append", "interleave"), "schedule.grow_init": one_of("zero", "copy"), "model.embed_init_std": positive,
@@ -354,6 +373,22 @@ def validate(cfg: Config):
                           f"and n_kv_head ({m.n_kv_head}) must divide n_head")
     if not 0 <= m.parallel_layers <= m.n_layer:
         raise ConfigError(f"model.parallel_layers: expected 0..{m.n_layer} (at most model.n_layer), got {m.parallel_layers}")
+    if not 0 <= m.xsa_layers <= m.n_layer:
+        raise ConfigError(f"model.xsa_layers: expected 0..{m.n_layer} (at most model.n_layer), got {m.xsa_layers}")
+    if not 1 <= m.gate_window <= m.n_embd:
+        raise ConfigError(f"model.gate_window: expected 1..{m.n_embd} (model.n_embd), got {m.gate_window}")
+    head_dim = m.n_embd // m.n_head
+    if 2 * round(m.rope_fraction * head_dim / 2) < 2:
+        raise ConfigError(f"model.rope_fraction: {m.rope_fraction} of a head's {head_dim} dimensions rotates none of "
+                          f"them; expected at least {2 / head_dim:.3g} (one pair)")
+    if m.skip_gates and not m.unet:
+        raise ConfigError("model.skip_gates: gates the U-net skips, so it needs model.unet=true")
+    if m.parallel_lanes == 2 and not m.parallel_layers:
+        raise ConfigError("model.parallel_lanes=2: the parallel decoder is the last model.parallel_layers blocks, "
+                          "so it needs model.parallel_layers >= 1 (at most model.n_layer)")
+    if m.parallel_lanes == 2 and cfg.mod.granularity != "none":
+        raise ConfigError(f"model.parallel_lanes=2: two residual lanes are not routed; expected mod.granularity=none, "
+                          f"got {cfg.mod.granularity}")
     if o.warmup + o.warmdown > 1:
         raise ConfigError(f"optim.warmup + optim.warmdown must be <= 1, got {o.warmup} + {o.warmdown}")
     if o.batch_tokens % (o.micro_batch * cfg.data.seq_len):
@@ -373,6 +408,11 @@ def validate(cfg: Config):
                 or not all(0 <= i < m.n_layer for i in r.layers):
             raise ConfigError(f"mod.layers: expected distinct layer indices in [0, {m.n_layer}) (model.n_layer), "
                               f"got {list(r.layers)} (empty only with mod.recur)")
+        if r.granularity == "block" and (m.doc_mask or any(s.get("doc_mask") for s in cfg.schedule.stages
+                                                             if isinstance(s, dict))):
+            raise ConfigError("model.doc_mask: a routed tile can hold the end of one document and the start of the "
+                              "next, and its routing reads the tile before it; expected mod.granularity token, layer "
+                              "or microbatch with document masking, got block")
         if r.granularity == "block" and cfg.data.seq_len % r.block_size:
             raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be a multiple of mod.block_size ({r.block_size})")
     b = cfg.budget
@@ -413,7 +453,8 @@ def switch_point(value, key: str, seconds: float) -> tuple:
 def resolve_stages(cfg: Config) -> tuple:
     """schedule.stages -> Stage tuple, each checked against the model; no stages = one static stage."""
     m, full_hidden = cfg.model, cfg.model.mlp_mult * cfg.model.n_embd
-    previous = Stage(0.0, m.n_layer, full_hidden, cfg.data.seq_len, 1.0, 1.0, cfg.mod.capacity, cfg.optim.batch_tokens)
+    previous = Stage(0.0, m.n_layer, full_hidden, cfg.data.seq_len, 1.0, 1.0, cfg.mod.capacity, cfg.optim.batch_tokens,
+                     doc_mask=m.doc_mask, xsa_layers=m.xsa_layers)
     if not cfg.schedule.stages:
         if cfg.mod.recur:
             raise ConfigError("mod.recur: routes the extra passes of a loop, but no schedule stage sets recur > 1")
@@ -477,6 +518,8 @@ def resolve_stages(cfg: Config) -> tuple:
              f"recur_span: the looped layers {looped} may not be Mixture-of-Depths layers (mod.layers; route the loop's "
              f"passes with mod.recur instead)"),
             (stage.recur > 1 and m.unet, "recur: a loop is not defined with model.unet's skips"),
+            (stage.recur > 1 and m.parallel_lanes == 2, "recur: a loop is not defined with model.parallel_lanes=2"),
+            (not 0 <= stage.xsa_layers <= m.n_layer, f"xsa_layers: expected 0..{m.n_layer} (at most model.n_layer)"),
         ]
         for failed, message in problems:
             if failed:
@@ -530,7 +573,10 @@ RECIPE_IGNORED = frozenset([
 # Keys added after runs were recorded. At its configs/base.yaml value (where each changes nothing) such a
 # key is left out of the hash, so a config that does not use it keeps the recipe its earlier rows have.
 RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_buckets", "model.unet",
-                  "model.parallel_layers", "optim.ema",
+                  "model.parallel_layers", "optim.ema", "model.doc_mask", "model.smear_gate", "model.gate_window",
+                  "model.attn_gate", "model.attn_gate_scale", "model.rope_fraction", "model.ln_scale",
+                  "model.skip_gates", "model.xsa_layers", "model.parallel_lanes", "optim.muon_ns",
+                  "optim.muon_row_norm", "optim.muon_wd",
                   "optim.muon_momentum_start", "optim.muon_momentum_warmup", "schedule.grow_init",
                   "budget.reference_step_ms", "device.attn_dtype", "mod.recur", "schedule.recur_gate")
 

@@ -206,6 +206,7 @@ class ByteTable:
     def __init__(self, tokenizer_path):
         sp = sentencepiece_model(tokenizer_path)
         self.vocab_size = n = sp.vocab_size()
+        self.bos_id = sp.bos_id()  # -1: the tokenizer has none
         pieces = [sp.id_to_piece(v) for v in range(n)]
         boundary = [sp.is_control(v) or sp.is_unknown(v) or sp.is_unused(v) for v in range(n)]
         spaced = [v for v in range(n) if pieces[v].startswith("▁") and not boundary[v] and not sp.is_byte(v)]

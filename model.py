@@ -2,8 +2,10 @@
 SwiGLU MLP, optional tied embeddings, logit soft-cap, zero-initialised output projections,
 optional Mixture-of-Depths routing of chosen layers by tile, token, layer or micro-batch, and optional
 speedrun-style additions (value embeddings, an embedding shortcut, a hashed bigram table, U-net
-skips), and depth recursion: a span of the active layers looped with shared weights, each extra
-pass optionally gated and routed per tile or token (Mixture-of-Recursions). The hot ops (the head
+skips), the parameter-golf records' items of April 2026 (attention within documents, SmearGate,
+attention-output gates, partial RoPE, layer-scaled norms, sigmoid skip gates, XSA, a two-lane
+parallel decoder), and depth recursion: a span of the active layers looped with shared weights,
+each extra pass optionally gated and routed per tile or token (Mixture-of-Recursions). The hot ops (the head
 with its loss, the RMSNorms, QK-norm with rotary, ReLU^2) are called through a kernels.Kernels (the
 config section `kernels`); the default is their plain-torch reference.
 
@@ -25,9 +27,16 @@ from kernels.reference import rms_norm
 
 
 class Rotary(nn.Module):
-    def __init__(self, head_dim, base):
+    """rotated: the head dimensions that rotate (partial RoPE, parameter-golf records from 2026-03:
+    16 of 64), with the frequencies of a rotated-wide head; the other pairs get frequency 0, i.e.
+    cos 1 and sin 0, the identity, so every qk_norm_rope kernel serves partial RoPE unchanged. (Which
+    dimensions pair up is arbitrary: the projections before it learn any permutation.)"""
+
+    def __init__(self, head_dim, base, rotated=None):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        rotated = rotated or head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotated, 2, dtype=torch.float32) / rotated))
+        inv_freq = torch.cat((inv_freq, torch.zeros((head_dim - rotated) // 2)))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x, pos=None):
@@ -52,15 +61,22 @@ class Attention(nn.Module):
         self.c_proj.zero_init = True
         # QK-norm makes q.k bounded, so a learned per-head gain sets the attention temperature.
         self.q_gain = nn.Parameter(torch.full((self.n_head,), cfg.qk_gain_init))
-        self.rotary = Rotary(self.head_dim, cfg.rope_base)
+        self.rotary = Rotary(self.head_dim, cfg.rope_base, rotated_dims(cfg))
         if value_embed:  # learned weight of the value embedding added to v (modded-nanogpt's lambda)
             self.ve_gate = nn.Parameter(torch.ones(()))
+        # model.attn_gate: each head's output times sigmoid(scale * w_h . x[:width]) of the attention's
+        # input x, w zero-initialised (every gate 0.5 at the start); dense reads all of x, sparse
+        # its first gate_window dimensions (parameter-golf records 2026-04-19 and 2026-04-23).
+        self.gate = nn.Parameter(torch.zeros(self.n_head, gate_width(cfg))) if gate_width(cfg) else None
+        self.gate_scale = cfg.attn_gate_scale
         self.float32_core = False  # the SDPA core in float32 whatever the compute dtype (GPT's attn_float32)
+        self.xsa = False  # exclusive self-attention (model.xsa_layers; set by GPT.set_active)
 
-    def forward(self, x, pos=None, mask=None, ve=None):
+    def forward(self, x, pos=None, mask=None, ve=None, doc=None):
         """pos: (B, T) token positions (routed tiles keep their original ones); mask: (B, 1, T, T)
         bool, True = may attend, replacing the causal mask; ve: (B, T, K*D) value embeddings of
-        the tokens, or None."""
+        the tokens, or None; doc: (B, T) document index of each token, or None: a query attends
+        only to keys of its own document (within-document attention)."""
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k, v = self.c_kv(x).view(B, T, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, K, T, D)
@@ -68,6 +84,9 @@ class Attention(nn.Module):
             v = v + self.ve_gate * ve.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         cos, sin = self.rotary(q, pos)
         q, k = self.kernels.qk_norm_rope(q, cos, sin, self.q_gain), self.kernels.qk_norm_rope(k, cos, sin)
+        if doc is not None:  # a static (B, 1, T, T) mask from the data: no data-dependent shape
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if mask is None else mask
+            mask = causal & (doc[:, None, :, None] == doc[:, None, None, :])
         if self.float32_core:
             with torch.autocast(x.device.type, enabled=False):
                 y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=mask is None,
@@ -75,6 +94,13 @@ class Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                enable_gqa=self.n_kv_head != self.n_head)
+        if self.xsa:  # XSA (parameter-golf records from 2026-03-20): drop each output's component along its own value
+            heads = y.view(B, self.n_kv_head, self.n_head // self.n_kv_head, T, self.head_dim)
+            unit = F.normalize(v, dim=-1)[:, :, None]  # (B, K, 1, T, D)
+            y = (heads - (heads * unit).sum(-1, keepdim=True) * unit).view_as(y)
+        if self.gate is not None:
+            gate = torch.sigmoid(self.gate_scale * F.linear(x[..., :self.gate.size(1)], self.gate))  # (B, T, H)
+            y = y * gate.transpose(1, 2)[..., None]
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -103,10 +129,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, kernels, value_embed=False):
+    def __init__(self, cfg, kernels, value_embed=False, index=0):
         super().__init__()
         self.kernels = kernels
         self.attn, self.mlp = Attention(cfg, kernels, value_embed), MLP(cfg, kernels)
+        # model.ln_scale: the normed branch inputs of block `index` times 1/sqrt(index + 1) (records from 2026-03-20).
+        self.norm_scale = 1 / math.sqrt(index + 1) if cfg.ln_scale else None
         # The learned scalars of GPT.block_input, one set per block (so they move with it).
         if cfg.x0_shortcut:
             self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0]))  # (residual, embedding): starts as x
@@ -114,18 +142,35 @@ class Block(nn.Module):
             self.bigram_scale = nn.Parameter(torch.ones(()))
         if cfg.unet:
             self.skip_weight = nn.Parameter(torch.ones(()))
+        if cfg.skip_gates:  # per channel, sigmoid(0) = 0.5 at the start
+            self.skip_gate = nn.Parameter(torch.zeros(cfg.n_embd))
+        if cfg.parallel_lanes == 2:  # Block.lanes: rows (attention lane, MLP lane), columns (residual, attn, mlp)
+            self.lane_mix = nn.Parameter(torch.tensor([[1.1, 1.0, 1.0], [1.1, 1.0, 1.0]]))  # the records' init
         # Residual-branch scales (the annealing schedule moves them); buffers, so a new value is
         # graph data on XLA, not a new graph. Not saved: the schedule sets them from progress.
         self.register_buffer("attn_scale", torch.ones(()), persistent=False)
         self.register_buffer("mlp_scale", torch.ones(()), persistent=False)
         self.parallel = False  # attention and MLP read the same input (model.parallel_layers; set by GPT.set_active)
 
-    def forward(self, x, pos=None, mask=None, ve=None):
+    def norm(self, x):
+        h = self.kernels.rmsnorm(x)
+        return h if self.norm_scale is None else h * self.norm_scale
+
+    def forward(self, x, pos=None, mask=None, ve=None, doc=None):
         if self.parallel:  # GPT-J / PaLM parallel residual: one norm, shared by both branches
-            h = self.kernels.rmsnorm(x)
-            return x + self.attn_scale * self.attn(h, pos, mask, ve) + self.mlp_scale * self.mlp(h)
-        x = x + self.attn_scale * self.attn(self.kernels.rmsnorm(x), pos, mask, ve)
-        return x + self.mlp_scale * self.mlp(self.kernels.rmsnorm(x))
+            h = self.norm(x)
+            return x + self.attn_scale * self.attn(h, pos, mask, ve, doc) + self.mlp_scale * self.mlp(h)
+        x = x + self.attn_scale * self.attn(self.norm(x), pos, mask, ve, doc)
+        return x + self.mlp_scale * self.mlp(self.norm(x))
+
+    def lanes(self, attn_lane, mlp_lane, ve=None, doc=None):
+        """model.parallel_lanes=2 (parameter-golf records from 2026-04-09): attention reads one
+        residual lane, the MLP the other, and each lane takes a learned mix of its own residual
+        and both outputs. -> (attention lane, MLP lane)."""
+        a = self.attn_scale * self.attn(self.norm(attn_lane), ve=ve, doc=doc)
+        m = self.mlp_scale * self.mlp(self.norm(mlp_lane))
+        (r0, a0, m0), (r1, a1, m1) = self.lane_mix
+        return r0 * attn_lane + a0 * a + m0 * m, r1 * mlp_lane + a1 * a + m1 * m
 
 
 TILED = ("block", "token")  # granularities that route units of a sequence through a TileRouter
@@ -164,9 +209,9 @@ class TileRouter(nn.Module):
         self.register_buffer("agree", torch.zeros(1, dtype=torch.long), persistent=False)
         self.register_buffer("total", torch.zeros(1, dtype=torch.long), persistent=False)
 
-    def forward(self, block, x, k, ve=None):
+    def forward(self, block, x, k, ve=None, doc=None):
         """x: (B, T, C); k tiles per sequence go through `block` -> (x (B, T, C), predictor BCE).
-        ve: the layer's value embeddings (B, T, K*D), or None."""
+        ve: the layer's value embeddings (B, T, K*D), or None; doc: (B, T) document indices or None."""
         B, T, C = x.shape
         bs = self.block_size
         assert T % bs == 0 and 1 <= k <= T // bs, (T, bs, k)
@@ -179,13 +224,13 @@ class TileRouter(nn.Module):
         bce = F.binary_cross_entropy_with_logits(logit, target)
         w = torch.sigmoid(score)  # bounded, so a tile's delta is at most the layer's full delta
         if self.training:
-            return self.gathered(block, x, top.sort(dim=-1).values, w, ve), bce
+            return self.gathered(block, x, top.sort(dim=-1).values, w, ve, doc), bce
         keep = logit > 0  # (B, n)
         self.agree += (keep == target.bool()).sum()
         self.total += keep.numel()
-        return self.masked(block, x, keep, w, ve), bce
+        return self.masked(block, x, keep, w, ve, doc), bce
 
-    def gathered(self, block, x, tiles, w, ve):
+    def gathered(self, block, x, tiles, w, ve, doc):
         """Run `block` on the ascending tiles (B, k) of x only; add their w-scaled deltas back."""
         B, T, C = x.shape
         bs, k = self.block_size, tiles.size(1)
@@ -196,10 +241,12 @@ class TileRouter(nn.Module):
         if ve is not None:  # the same tiles of the value embeddings (B, T, K*D)
             ve_index = tiles[:, :, None, None].expand(B, k, bs, ve.size(-1))
             ve = ve.view(B, T // bs, bs, -1).gather(1, ve_index).view(B, k * bs, -1)
-        delta = (block(x_sel, pos, ve=ve) - x_sel).view(B, k, bs, C) * w.gather(1, tiles)[:, :, None, None]
+        if doc is not None:
+            doc = doc.view(B, T // bs, bs).gather(1, tiles[:, :, None].expand(B, k, bs)).view(B, k * bs)
+        delta = (block(x_sel, pos, ve=ve, doc=doc) - x_sel).view(B, k, bs, C) * w.gather(1, tiles)[:, :, None, None]
         return x_tiles.scatter_add(1, index, delta).view(B, T, C)
 
-    def masked(self, block, x, keep, w, ve):
+    def masked(self, block, x, keep, w, ve, doc):
         """What `gathered` computes for the kept tiles (B, n) bool, on the whole sequence: queries
         attend only to keys of kept tiles; tokens of the other tiles keep x."""
         B, T, C = x.shape
@@ -208,7 +255,7 @@ class TileRouter(nn.Module):
         # A skipped token may see itself, so no attention row is empty (its output is dropped).
         self_only = torch.eye(T, dtype=torch.bool, device=x.device)
         mask = causal & (keep[:, None, :] | self_only)  # (B, T, T)
-        y = block(x, mask=mask[:, None], ve=ve)
+        y = block(x, mask=mask[:, None], ve=ve, doc=doc)
         w = w[:, :, None].expand(-1, -1, self.block_size).reshape(B, T, 1)
         return torch.where(keep[..., None], x + w * (y - x), x)
 
@@ -243,10 +290,12 @@ class GPT(nn.Module):
     kernels: a kernels.Kernels (kernels.resolve); None = the reference (kernels.REFERENCE).
     """
 
-    def __init__(self, cfg, mod=None, kernels=None, attn_float32=False, passes=1, recur_gate=False):
+    def __init__(self, cfg, mod=None, kernels=None, attn_float32=False, passes=1, recur_gate=False, bos=None):
         """attn_float32: the attention core (SDPA) runs in float32 inside a bfloat16 autocast or with
         bfloat16 weights (the backend's choice, train.Backend.attn_float32); the rest as before.
-        passes: the most passes any stage loops its span (the gates and routers the loop needs)."""
+        passes: the most passes any stage loops its span (the gates and routers the loop needs).
+        bos: the tokenizer's BOS id, which starts every document: needed by document masking and
+        SmearGate, kept as a buffer so that a checkpoint carries it; None = neither is used."""
         super().__init__()
         self.cfg = cfg
         self.kernels = REFERENCE if kernels is None else kernels
@@ -262,7 +311,15 @@ class GPT(nn.Module):
         # change every other initial weight (reset_parameters initialises them last).
         self.value_embed = nn.Parameter(torch.empty(cfg.vocab_size, kv_dim)) if cfg.value_embed else None
         self.bigram = nn.Parameter(torch.empty(cfg.bigram_buckets, cfg.n_embd)) if cfg.bigram_buckets else None
-        self.blocks = nn.ModuleList(Block(cfg, self.kernels, i in self.ve_layers) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, self.kernels, i in self.ve_layers, i) for i in range(cfg.n_layer))
+        # model.smear_gate (SmearGate, parameter-golf records from 2026-04-16): each token's embedding plus
+        # lambda * sigmoid(w . e_t[:gate_window]) times the previous token's, never across a BOS; w and
+        # lambda start at 0, so it enters as nothing.
+        self.smear_gate = nn.Parameter(torch.zeros(cfg.gate_window)) if cfg.smear_gate else None
+        self.smear_lambda = nn.Parameter(torch.zeros(())) if cfg.smear_gate else None
+        if bos is not None:
+            self.register_buffer("bos", torch.as_tensor(bos))  # an id, or a checkpoint's buffer
+        self.doc_mask = False  # attention within documents (model.doc_mask, a stage may switch it; set by set_active)
         for block in self.blocks:
             block.attn.float32_core = attn_float32
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -307,19 +364,26 @@ class GPT(nn.Module):
         assert 0 < capacity <= 1, capacity
         self.capacity = capacity
 
-    def set_active(self, layers, mlp_hidden: int):
+    def set_active(self, layers, mlp_hidden: int, doc_mask=None, xsa_layers=None):
         """Run only `layers` (block indices), each MLP with its first mlp_hidden units: static
         slices, so inactive capacity costs no compute. Inactive weights get no gradient and keep
         their initial values, whose zero output projections make a block or hidden unit enter as
         the identity (adds nothing): growth preserves the function. The last model.parallel_layers
         active blocks are parallel (Block.parallel): it follows depth growth, and a block that leaves
-        the last ones at a switch turns sequential (the function is then not preserved)."""
+        the last ones at a switch turns sequential (the function is then not preserved). So do the
+        last xsa_layers, with exclusive self-attention. doc_mask: attention within documents. Both
+        default to the model config's (a stage may set its own)."""
+        doc_mask = self.cfg.doc_mask if doc_mask is None else doc_mask
+        xsa_layers = self.cfg.xsa_layers if xsa_layers is None else xsa_layers
         assert all(0 <= i < self.cfg.n_layer for i in layers) and 0 < mlp_hidden <= self.cfg.mlp_mult * self.cfg.n_embd
-        self.active = tuple(sorted(layers))
+        assert not doc_mask or hasattr(self, "bos"), "document masking needs the BOS id (GPT's bos)"
+        self.active, self.doc_mask = tuple(sorted(layers)), doc_mask
         parallel = self.active[max(0, len(self.active) - self.cfg.parallel_layers):]
+        exclusive = self.active[max(0, len(self.active) - xsa_layers):]
         for i, block in enumerate(self.blocks):
             block.mlp.hidden = mlp_hidden
             block.parallel = i in parallel
+            block.attn.xsa = i in exclusive
 
     def set_recursion(self, span, passes: int):
         """Loop the active layers at positions span = (first, last) `passes` times in all (shared
@@ -328,12 +392,13 @@ class GPT(nn.Module):
         assert 1 <= passes <= self.max_passes, (passes, self.max_passes)
         self.loop_span, self.passes = (tuple(span) if passes > 1 else ()), passes
 
-    def loop_pass(self, x, pos=None, mask=None, ve=None, gate=None):
+    def loop_pass(self, x, pos=None, mask=None, ve=None, doc=None, gate=None):
         """One extra pass of x (B, T', C) through the loop span's blocks; ve: these tokens' value
-        embeddings (B, T', K*D) or None; gate: None or the pass's learned gate."""
+        embeddings (B, T', K*D) or None; doc: their document indices or None; gate: None or the
+        pass's learned gate."""
         y = x
         for i in self.active[self.loop_span[0]:self.loop_span[1] + 1]:
-            y = self.blocks[i](y, pos, mask, ve if i in self.ve_layers else None)
+            y = self.blocks[i](y, pos, mask, ve if i in self.ve_layers else None, doc)
         return y if gate is None else x + gate * (y - x)
 
     def set_residual_scales(self, attn: float, mlp: float):
@@ -351,29 +416,41 @@ class GPT(nn.Module):
         """idx: (B, T) int64 -> the final-normed residual stream (B, T, C), the head's input. In
         eval mode position t sees only idx[:, :t+1]. micro_step: index of the micro-batch in the
         optimizer step (layer routing)."""
-        x = x0 = self.kernels.rmsnorm(self.wte(idx))  # (B, T, C)
-        bigram = None if self.bigram is None else F.embedding(bigram_rows(idx, self.cfg.bigram_buckets), self.bigram)
+        starts = None if not hasattr(self, "bos") else idx == self.bos  # (B, T): a document's first token
+        x = x0 = self.kernels.rmsnorm(self.embed(idx, starts))  # (B, T, C)
+        # Within documents: the index of each token's document in the window (a cumulative sum: static shapes).
+        doc = starts.cumsum(1) if self.doc_mask else None
+        bigram = None
+        if self.bigram is not None:
+            rows = bigram_rows(idx, self.cfg.bigram_buckets)
+            rows = rows if doc is None else torch.where(starts, 0, rows)  # no pair across documents
+            bigram = F.embedding(rows, self.bigram)
         values = None if self.value_embed is None else F.embedding(idx, self.value_embed)  # (B, T, K*D)
         aux = torch.zeros((), device=x.device)
         skips = []  # U-net: outputs of the first half of the active blocks
+        lanes = None  # model.parallel_lanes=2: (attention lane, MLP lane) from the first parallel block on
         for position, i in enumerate(self.active):
             block = self.blocks[i]
-            x = self.block_input(block, position, x, x0, bigram, skips)
             ve = values if i in self.ve_layers else None
-            if i not in self.routed:
-                x = block(x, ve=ve)
+            x = self.block_input(block, position, x, x0, bigram, skips)  # once there are lanes, x is the attention lane
+            if block.parallel and self.cfg.parallel_lanes == 2:  # the last active blocks: no routing, no loop
+                lanes = block.lanes(x, x if lanes is None else lanes[1], ve, doc)
+                x = lanes[0]
+            elif i not in self.routed:
+                x = block(x, ve=ve, doc=doc)
             elif self.granularity in TILED:
                 k = units_selected(self.capacity, x.size(1) // self.routers[str(i)].block_size)
-                x, bce = self.routers[str(i)](block, x, k, ve)
+                x, bce = self.routers[str(i)](block, x, k, ve, doc)
                 aux = aux + bce
             elif self.granularity == "layer":
                 if not self.training or self.layer_runs(self.routed.index(i), micro_step):
-                    x = x + self.gates[str(i)] * (block(x, ve=ve) - x)
+                    x = x + self.gates[str(i)] * (block(x, ve=ve, doc=doc) - x)
             elif self.training:  # microbatch: the first k sequences go deep
                 k = units_selected(self.capacity, x.size(0))
-                x = torch.cat((block(x[:k], ve=None if ve is None else ve[:k]), x[k:]))
+                x = torch.cat((block(x[:k], ve=None if ve is None else ve[:k], doc=None if doc is None else doc[:k]),
+                               x[k:]))
             else:
-                x = block(x, ve=ve)
+                x = block(x, ve=ve, doc=doc)
             if self.cfg.unet and position < len(self.active) // 2:
                 skips.append(x)
             extra = self.passes - 1 if self.loop_span and position == self.loop_span[1] else 0
@@ -382,24 +459,37 @@ class GPT(nn.Module):
                 if self.mor:
                     router = self.routers[f"pass{j}"]
                     k = units_selected(self.capacity, x.size(1) // router.block_size)
-                    x, bce = router(functools.partial(self.loop_pass, gate=gate), x, k, values)
+                    x, bce = router(functools.partial(self.loop_pass, gate=gate), x, k, values, doc)
                     aux = aux + bce
                 else:
-                    x = self.loop_pass(x, ve=values, gate=gate)
+                    x = self.loop_pass(x, ve=values, doc=doc, gate=gate)
+        if lanes is not None:
+            x = 0.5 * (lanes[0] + lanes[1])
         self.aux_loss = self.aux_weight * aux
         return self.kernels.rmsnorm(x)
+
+    def embed(self, idx, starts):
+        """The token embeddings (B, T, C); with SmearGate, plus the gated previous token's, except at
+        the BOS positions `starts` (B, T) bool (the records' fix of 2026-04-27: nothing crosses a document)."""
+        e = self.wte(idx)
+        if self.smear_gate is None:
+            return e
+        gate = self.smear_lambda * torch.sigmoid(e[:, 1:, :self.smear_gate.numel()] @ self.smear_gate)  # (B, T-1)
+        return torch.cat((e[:, :1], e[:, 1:] + (gate * ~starts[:, 1:])[..., None] * e[:, :-1]), dim=1)
 
     def block_input(self, block, position, x, x0, bigram, skips):
         """The residual stream entering the active block at `position`, from the options that are on:
         - unet: the mirrored first-half block's output (the last one saved first) times a learned
-          weight, initialised to 1 (modded-nanogpt records 11 and 15);
+          weight, initialised to 1 (modded-nanogpt records 11 and 15); with skip_gates, instead
+          lerp(weight * skip, x, sigmoid(gate)), a learned gate per channel (parameter-golf records);
         - x0_shortcut: lambda_r * x + lambda_0 * x0, x0 the normed token embedding, lambdas 1 and 0
           at init (record 9);
         - bigram_buckets: plus a learned scale (init 1) times the hashed bigram embedding, a
           zero-initialised table (record 62).
         Each is elementwise on the whole sequence, so routing (which follows) is unaffected."""
         if self.cfg.unet and position >= len(self.active) - len(self.active) // 2:
-            x = x + block.skip_weight * skips.pop()
+            skip = block.skip_weight * skips.pop()
+            x = torch.lerp(skip, x, torch.sigmoid(block.skip_gate)) if self.cfg.skip_gates else x + skip
         if self.cfg.x0_shortcut:
             x = block.x0_mix[0] * x + block.x0_mix[1] * x0
         if bigram is not None:
@@ -451,6 +541,16 @@ def bigram_rows(idx, buckets: int):
     return torch.cat((torch.zeros_like(idx[:, :1]), pairs), dim=1)
 
 
+def rotated_dims(cfg) -> int:
+    """Head dimensions that rotate under model.rope_fraction: an even number (config checks it is >= 2)."""
+    return 2 * round(cfg.rope_fraction * (cfg.n_embd // cfg.n_head) / 2)
+
+
+def gate_width(cfg) -> int:
+    """Inputs of each head's attention-output gate (model.attn_gate); 0 = no gate."""
+    return {"none": 0, "dense": cfg.n_embd, "sparse": cfg.gate_window}[cfg.attn_gate]
+
+
 def tile_size(mod) -> int:
     """Tokens per routed unit of a sequence under block or token routing."""
     return 1 if mod.granularity == "token" else mod.block_size
@@ -484,9 +584,10 @@ def active_params(model: GPT) -> int:
 
 def flops_per_token(cfg, seq_len: int, mod=None, layers=None, mlp_hidden=None, loop_layers=0, passes=1) -> float:
     """Training FLOPs per token (forward + backward = 3 x forward, a multiply-add = 2 FLOPs).
-    Counts every matmul: q, kv, attention output and MLP projections, the output head, and
-    causal attention itself (QK^T and AV: 2 x 2 x C per key, T/2 keys on average). Embedding
-    lookups, norms and elementwise work are not counted.
+    Counts every matmul: q, kv, attention output and MLP projections, the attention-output gates
+    and SmearGate's, the output head, and causal attention itself (QK^T and AV: 2 x 2 x C per key,
+    T/2 keys on average; within-document attention computes them all too). Embedding lookups,
+    norms and elementwise work (XSA, skip gates, lanes) are not counted.
     With routing (mod), a routed layer's matmuls count with its token share s (routed_share);
     its attention with s^2 for block and token routing (s*T queries over s*T keys) and s otherwise;
     these two add each layer's router and predictor, Linear(C, 1) each, once per tile. Gates,
@@ -499,9 +600,9 @@ def flops_per_token(cfg, seq_len: int, mod=None, layers=None, mlp_hidden=None, l
     kv_dim = cfg.n_kv_head * (C // cfg.n_head)
     hidden = mlp_hidden or cfg.mlp_mult * C
     mlp_in = (2 if cfg.mlp == "swiglu" else 1) * hidden
-    layer_params = C * C + C * 2 * kv_dim + C * C + C * mlp_in + hidden * C
+    layer_params = C * C + C * 2 * kv_dim + C * C + C * mlp_in + hidden * C + cfg.n_head * gate_width(cfg)
     layer_attention = 2 * 2 * C * seq_len / 2
-    matmul_params = L * layer_params + C * cfg.vocab_size
+    matmul_params = L * layer_params + C * cfg.vocab_size + (cfg.gate_window if cfg.smear_gate else 0)
     attention = L * layer_attention
     if mod is not None and mod.granularity != "none":
         routed, share = len(set(mod.layers) & set(layers)), routed_share(mod, seq_len)

@@ -38,7 +38,9 @@ checkpoint and writes an `interrupted` row, then the sweep stops; run the same c
 routing (mod.granularity=none), Mixture-of-Recursions alone (mod.recur=false) when MoD layers
 stay, annealing (no schedule), each schedule key (removed from every stage; recur with its
 recur_span), copy growth (schedule.grow_init=zero) when the schedule copies, the loop's gate,
-the records' recipe items the config has (parallel_layers, ema, leaky_relu2), torch.compile
+the records' recipe items the config has (parallel_layers and its lanes, ema, leaky_relu2, doc_mask,
+smear_gate, attn_gate, rope_fraction, ln_scale, skip_gates, xsa_layers, muon_ns, muon_row_norm,
+muon_wd), torch.compile
 (device.compile=false) when the config compiles, and each kernel that is not the reference on
 the run's backend (kernels.<op>=torch). The table then reads as each
 component's contribution: the full system (B) against the system without it (A).
@@ -159,10 +161,19 @@ def ablation(config: str, seeds: list, clock="wall") -> dict:
         if cfg.schedule.recur_gate:
             variants["no-recur-gate"] = ["schedule.recur_gate=false"]
     # The parameter-golf records' recipe items, when the config has them.
-    for name, off, on in (("no-parallel", "model.parallel_layers=0", cfg.model.parallel_layers),
-                          ("no-ema", "optim.ema=0", cfg.optim.ema), ("relu2", "model.mlp=relu2", cfg.model.mlp == "leaky_relu2")):
+    m, o = cfg.model, cfg.optim
+    for name, off, on in (
+            ("no-parallel", ["model.parallel_layers=0", "model.parallel_lanes=1"][:1 + (m.parallel_lanes == 2)],
+             m.parallel_layers), ("one-lane", ["model.parallel_lanes=1"], m.parallel_lanes == 2),
+            ("no-ema", ["optim.ema=0"], o.ema), ("relu2", ["model.mlp=relu2"], m.mlp == "leaky_relu2"),
+            ("no-doc-mask", ["model.doc_mask=false"], m.doc_mask), ("no-smear-gate", ["model.smear_gate=false"], m.smear_gate),
+            ("no-attn-gate", ["model.attn_gate=none"], m.attn_gate != "none"),
+            ("full-rope", ["model.rope_fraction=1"], m.rope_fraction < 1), ("no-ln-scale", ["model.ln_scale=false"], m.ln_scale),
+            ("no-skip-gates", ["model.skip_gates=false"], m.skip_gates), ("no-xsa", ["model.xsa_layers=0"], m.xsa_layers),
+            ("quintic-ns", ["optim.muon_ns=quintic"], o.muon_ns != "quintic"),
+            ("no-row-norm", ["optim.muon_row_norm=false"], o.muon_row_norm), ("no-muon-wd", ["optim.muon_wd=0"], o.muon_wd)):
         if on:
-            variants[name] = [off]
+            variants[name] = off
     if cfg.device.compile:
         variants["no-compile"] = ["device.compile=false"]
     kind = cfg.device.type if cfg.device.type != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

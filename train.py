@@ -356,15 +356,17 @@ def load_for_eval(checkpoint_path, device) -> torch.nn.Module:
     ckpt = load_checkpoint(checkpoint_path)
     cfg = build(Config, merge(load_chain(BASE_CONFIG), ckpt["config"]))  # keys newer than the file at their defaults
     stages = resolve_stages(cfg)
-    model = GPT(cfg.model, cfg.mod, passes=max(s.recur for s in stages), recur_gate=cfg.schedule.recur_gate)
+    model = GPT(cfg.model, cfg.mod, passes=max(s.recur for s in stages), recur_gate=cfg.schedule.recur_gate,
+                bos=ckpt["model"].get("bos"))  # the BOS id, where doc_mask or smear_gate need it
     model.load_state_dict(ckpt["model"])
     set_stage(model, cfg, stages[ckpt["timeline"][-1][0]])  # the shape it trained last
     return model.to(device).eval()
 
 
 def set_stage(model: GPT, cfg: Config, stage):
-    """The model's active layers, MLP width, capacity and loop in a stage."""
-    model.set_active(depth_order(cfg.model.n_layer, cfg.schedule.grow_depth)[:stage.depth], stage.mlp_hidden)
+    """The model's active layers, MLP width, attention options, capacity and loop in a stage."""
+    model.set_active(depth_order(cfg.model.n_layer, cfg.schedule.grow_depth)[:stage.depth], stage.mlp_hidden,
+                     stage.doc_mask, stage.xsa_layers)
     model.set_capacity(stage.capacity)
     model.set_recursion(stage.recur_span, stage.recur)
 
@@ -484,9 +486,11 @@ class Trainer:
             self.calibration, self.step_costs = clock.costs(cfg.budget, [clock.stage_key(flat, self.data_sha, stage)
                                                                          for stage in self.stages], self.machine)
         self.loader, self.loader_state, self.data_wait_s = None, None, 0.0
-
+        bos = self.bytes.bos_id if cfg.model.smear_gate or any(s.doc_mask for s in self.stages) else None
+        if bos is not None and bos < 0:
+            raise ConfigError(f"model.doc_mask, model.smear_gate: need a BOS token (it starts each document); {tokenizer} has none")
         self.model = GPT(cfg.model, cfg.mod, self.kernels, self.backend.attn_float32, max(s.recur for s in self.stages),
-                         cfg.schedule.recur_gate).to(self.device)
+                         cfg.schedule.recur_gate, bos).to(self.device)
         self.masters = {}  # bf16 weights: parameter -> its fp32 master copy, which the optimizers update
         if self.backend.bf16_weights:
             self.model.to(torch.bfloat16)
@@ -730,9 +734,8 @@ class Trainer:
         # (torch-xla turns a 0-dim host tensor into a graph constant; a 1-element one stays data.)
         nll = torch.zeros(1, dtype=self.backend.sum_dtype).to(self.device)
         counts = torch.zeros(2, dtype=torch.int64).to(self.device)  # target bytes, target tokens
-        batches = data.val_batches(self.val_files, seq_len, batch, self.cfg.model.vocab_size,
-                                   max_tokens=max_tokens, rank=self.backend.rank,
-                                   world_size=self.backend.world_size)
+        batches = data.val_batches(self.val_files, seq_len, batch, self.cfg.model.vocab_size, max_tokens=max_tokens,
+                                   rank=self.backend.rank, world_size=self.backend.world_size)
         for i, (x, y) in enumerate(batches):
             rows = x.size(0)
             x, y = (torch.cat([t, t[:1].expand(batch - rows, -1)]).to(self.device) for t in (x, y))
@@ -1045,8 +1048,7 @@ class Trainer:
             notes.append(f"compiled_graphs={torch._dynamo.utils.counters['stats']['unique_graphs']}")
         if error:
             notes.append(error)
-        row = dict(
-            time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), run_id=self.run_id, git_commit=git_commit,
+        row = dict(time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), run_id=self.run_id, git_commit=git_commit,
             git_dirty=git_dirty, config=self.config_path, config_sha=hashlib.sha256(json.dumps(
                 dataclasses.asdict(cfg), sort_keys=True).encode()).hexdigest()[:12],
             overrides=" ".join(self.overrides), device=str(self.device), world_size=backend.world_size,

@@ -5,17 +5,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import config
 from model import GPT, active_params, flops_per_token, param_count, rms_norm, units_selected
 
 T, BLOCK_SIZE, ROUTED = 32, 8, (1, 3)  # 4 tiles per sequence; layers 1 and 3 of 4 routed
 
 
 def tiny_cfg(**changes):
-    cfg = dict(vocab_size=64, n_layer=4, n_embd=32, n_head=4, n_kv_head=2, mlp_mult=2, mlp="relu2",
-               tie_embeddings=True, logit_softcap=30.0, rope_base=10000.0, qk_gain_init=1.5,
-               embed_init_std=0.005, value_embed=False, x0_shortcut=False, bigram_buckets=0, unet=False,
-               parallel_layers=0)
-    return SimpleNamespace(**{**cfg, **changes})
+    """configs/base.yaml's model section at a tiny shape."""
+    base = {k.removeprefix("model."): v for k, v in config.base_values().items() if k.startswith("model.")}
+    shape = dict(vocab_size=64, n_layer=4, n_embd=32, n_head=4, n_kv_head=2, mlp_mult=2)
+    return SimpleNamespace(**{**base, **shape, **changes})
 
 
 def mod_cfg(granularity, capacity=0.5):
