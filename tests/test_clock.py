@@ -4,6 +4,7 @@ and never mix clocks."""
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -260,3 +261,37 @@ def test_verdicts_pair_matching_seeds_and_never_mix_clocks(capsys):
     assert "timebase: calibrated c1 (also in common: wall (machine not recorded)" in capsys.readouterr().out
     ledger.print_verdict(both, "ra", "rb", "wall (machine not recorded)")
     assert "seeds 1, 2, 3" in capsys.readouterr().out
+
+
+def stop_at(step):
+    """A Trainer.step that, once the run has made `step` steps, asks it to stop as a SIGTERM would
+    (the loop finishes that step, checkpoints and writes an interrupted row): deterministic."""
+    step_once = train.Trainer.step
+
+    def stepped(self, progress):
+        loss = step_once(self, progress)
+        if self.step_count == step:
+            self.stop_signal = signal.SIGTERM
+        return loss
+    return stepped
+
+
+@pytest.mark.parametrize("stops, costs_ms, extra", [((12,), [62.5], ()), ((4, 30), [31.25, 62.5], (TWO_STAGES,))])
+def test_a_resumed_calibrated_run_gets_exactly_its_steps(tmp_path, builtin_1024, monkeypatch, stops, costs_ms, extra):
+    """Interrupted once, or twice (once inside the free warm-up and profiled steps, 1-7, once in the
+    second stage), and resumed each time: the uninterrupted run's steps, stages, clock and val_bpb."""
+    path = calibration(tmp_path, costs_ms, extra)
+    reference, _ = calibrated_run(tmp_path / "reference", path, *extra)
+    ckpt, resume, step = tmp_path / "run.pt", (), train.Trainer.step
+    for n in stops:
+        monkeypatch.setattr(train.Trainer, "step", stop_at(n))
+        assert train.main(["--config", str(SMOKE), *args(tmp_path, "budget.clock=calibrated", f"budget.calibration={path}",
+                                                        "budget.max_steps=0", "budget.seconds=1.25", *extra,
+                                                        f"checkpoint.path={ckpt}", *resume)]) == 128 + signal.SIGTERM
+        resume = (f"checkpoint.resume={ckpt}",)
+    monkeypatch.setattr(train.Trainer, "step", step)
+    row, _ = calibrated_run(tmp_path, path, *extra, f"checkpoint.path={ckpt}", *resume)
+    interrupted = ledger.read(tmp_path / "ledger.csv")[:-1]
+    assert [(r["status"], r["steps"]) for r in interrupted] == [("interrupted", str(n)) for n in stops]
+    assert (row["steps"], row["stages"], row["train_s"], row["val_bpb"]) == (
+        reference["steps"], reference["stages"], reference["train_s"], reference["val_bpb"])
