@@ -130,6 +130,37 @@ def test_a_calibration_that_does_not_fit_the_run_is_refused(tmp_path, builtin_10
     assert "cannot read a calibration from it" in refused(tmp_path / "missing.json")
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("step_ms", "62.5", "stage smoke/0: step_ms: expected a finite number > 0, got '62.5'"),
+    ("step_ms", 0, "stage smoke/0: step_ms: expected a finite number > 0, got 0"),
+    ("step_ms", -62.5, "stage smoke/0: step_ms: expected a finite number > 0, got -62.5"),
+    ("step_ms", float("nan"), "stage smoke/0: step_ms: expected a finite number > 0, got nan"),
+    ("step_ms", float("inf"), "stage smoke/0: step_ms: expected a finite number > 0, got inf"),
+    ("step_ms", True, "stage smoke/0: step_ms: expected a finite number > 0, got True"),
+    ("ratio", None, "stage smoke/0: ratio: expected a finite number > 0, it is missing"),
+    ("se", -0.01, "stage smoke/0: se: expected a finite number >= 0, got -0.01"),
+    ("rounds", 2.5, "stage smoke/0: rounds: expected an integer > 0, got 2.5"),
+    ("round_ms", [62.5, "x"], "stage smoke/0: round_ms[1]: expected a finite number > 0, got 'x'"),
+    ("round_ms", [], "stage smoke/0: round_ms: expected a non-empty list (each round's median step), got []"),
+    ("method", {"rounds": 0}, "method: rounds: expected an integer > 0, got 0"),
+    ("baseline", "k", "baseline k is not one of its stages"),
+])
+def test_a_calibrations_numbers_are_checked_before_training(tmp_path, builtin_1024, capsys, field, value, message):
+    """Each bad number: exit 2 before training, the file, the stage's name and the field named (Python's
+    json reads and writes NaN and Infinity, so a file can carry them)."""
+    path = calibration(tmp_path, [62.5])
+    doc = json.loads(path.read_text())
+    record = doc if field in ("method", "baseline") else next(iter(doc["stages"].values()))
+    if value is None:
+        del record[field]
+    else:
+        record[field] = value
+    path.write_text(json.dumps(doc))
+    assert train.main(["--config", str(SMOKE), *args(tmp_path, "budget.clock=calibrated", f"budget.calibration={path}")]) == 2
+    assert f"budget.calibration={path}: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "ledger.csv").exists()
+
+
 def test_a_reference_step_scales_every_cost_by_the_baselines(tmp_path):
     path = calibration(tmp_path, [50.0, 100.0], [TWO_STAGES])
     keys = list(json.loads(path.read_text())["stages"])
