@@ -291,7 +291,8 @@ class Sweep:
 
     def lock_path(self, variant, seed) -> Path:
         """Beside the ledger: every process that writes the pair's rows, on any machine, looks there."""
-        return Path(self.configs[variant].ledger.path).absolute().parent / "locks" / self.spec["name"] / f"{variant}-seed{seed}.lock"
+        folder = Path(self.configs[variant].ledger.path).absolute().parent / "locks" / self.spec["name"]
+        return folder / f"{variant}-seed{seed}.lock"
 
     def take(self, variant, seed):
         """The pair's lock (locks.py), or None while another process holds it (said once)."""

@@ -489,6 +489,7 @@ def test_a_lock_is_exclusive_inherited_and_stale_only_once_nobody_holds_it(tmp_p
                                        f"since {lock.info['since']}")
     path.write_text(json.dumps(dict(host="elsewhere", pid=os.getpid(), what="x", since="t")))
     taken, found = locks.take(path, what="y")  # judged by its flock, which nobody holds, not by that pid
-    assert locks.holder(found) == f"x: pid {os.getpid()} on host elsewhere (another machine: its pids are not checked here), since t"
+    assert locks.holder(found) == (f"x: pid {os.getpid()} on host elsewhere (another machine: its pids are not "
+                                   f"checked here), since t")
     taken.release()
     assert not path.exists()
