@@ -83,9 +83,44 @@ def read(path) -> dict:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"budget.calibration={path}: cannot read a calibration from it ({e})") from None
-    if not isinstance(doc, dict) or doc.get("version") != VERSION or not {"id", "machine", "stages", "baseline"} <= set(doc):
+    if (not isinstance(doc, dict) or doc.get("version") != VERSION or not {"id", "machine", "stages", "baseline"} <= set(doc)
+            or not isinstance(doc["stages"], dict) or not all(isinstance(s, dict) for s in doc["stages"].values())
+            or not isinstance(doc.get("method", {}), dict)):
         raise ConfigError(f"budget.calibration={path}: not a calibration file of version {VERSION} (see clock.py)")
+    check_numbers(path, doc)
     return doc
+
+
+def check_numbers(path, doc: dict):
+    """Every number a calibration supplies, checked before a run counts on it: a step_ms of 0 would
+    never advance the clock (a run without budget.max_steps would not end), a string would fail
+    mid-run. Stage rounds are optional (files from before they were recorded)."""
+    def check(where, record, field, integer=False, zero=False, required=True):
+        if field not in record and not required:
+            return
+        value = record.get(field)
+        kind = "an integer" if integer else "a finite number"
+        if (field not in record or isinstance(value, bool) or not isinstance(value, int if integer else (int, float))
+                or not (isinstance(value, int) or math.isfinite(value)) or not (value > 0 or zero and value == 0)):
+            got = "it is missing" if field not in record else f"got {value!r}"
+            raise ConfigError(f"budget.calibration={path}: {where}: {field}: expected {kind} "
+                              f"{'>= 0' if zero else '> 0'}, {got}")
+
+    for field in ("rounds", "steps", "skip", "warmup"):
+        check("method", doc.get("method", {}), field, integer=True, zero=field in ("skip", "warmup"), required=False)
+    for key, stage in doc["stages"].items():
+        where = f"stage {stage.get('name') or key}"
+        check(where, stage, "step_ms")
+        check(where, stage, "ratio")
+        check(where, stage, "se", zero=True)  # 0 where the drift cancelled exactly
+        check(where, stage, "rounds", integer=True, required=False)
+        if not isinstance(stage.get("round_ms"), list) or not stage["round_ms"]:
+            raise ConfigError(f"budget.calibration={path}: {where}: round_ms: expected a non-empty list (each round's "
+                              f"median step), " + (f"got {stage['round_ms']!r}" if "round_ms" in stage else "it is missing"))
+        for i, value in enumerate(stage["round_ms"]):
+            check(where, {f"round_ms[{i}]": value}, f"round_ms[{i}]")
+    if doc["baseline"] not in doc["stages"]:
+        raise ConfigError(f"budget.calibration={path}: baseline {doc['baseline']} is not one of its stages")
 
 
 def write(path, doc: dict):

@@ -33,6 +33,12 @@ count is part of the calibration's machine), still alone.
 A (variant, seed) pair with an ok or diverged row of the variant's recipe is done and skipped; one
 whose checkpoint exists resumes from it. Ctrl-C (SIGINT) or SIGTERM: the running train.py saves a
 checkpoint and writes an `interrupted` row, then the sweep stops; run the same command to resume.
+A sweep that dies alone (kill -9, the OOM killer) sends its train.py SIGTERM, the same end. Each pair
+runs under its lock, <ledger's folder>/locks/<name>/<variant>-seed<seed>.lock (locks.py), which
+its train.py holds too: a pair another process runs (a second sweep on the ledger, the child of a
+killed sweep still saving) is waited for, then skipped if that run finished it. A stale lock and a
+checkpoint without a ledger row (its run killed by kill -9, the OOM killer or a reboot) are said in
+one line each; the pair then resumes from the checkpoint.
 
 --ablate derives the variants from a config: `full`, and one per AION component switched off:
 routing (mod.granularity=none), Mixture-of-Recursions alone (mod.recur=false) when MoD layers
@@ -46,6 +52,7 @@ the run's backend (kernels.<op>=torch). The table then reads as each
 component's contribution: the full system (B) against the system without it (A).
 """
 import argparse
+import ctypes
 import dataclasses
 import hashlib
 import itertools
@@ -64,11 +71,26 @@ import yaml
 import clock
 import kernels
 import ledger
+import locks
 import train
 from config import ConfigError, flatten, load_config, recipe, resolve_stages
 
 ROOT = Path(__file__).resolve().parent
 DONE = ("ok", "diverged")  # a diverged run is a result too: running it again would diverge again
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def dies_with(parent: int):
+    """A child's preexec_fn: SIGTERM to the child when the sweep ends, however it ends (kill -9, the
+    OOM killer), so a run never outlives its sweep unnoticed: it finishes its step, checkpoints and
+    writes an interrupted row. Linux only; elsewhere the pair's lock still keeps a restarted sweep
+    off a pair whose child runs on. (The signal follows the thread that started the child: the main one.)"""
+    def preexec():
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the sweep died before prctl: nobody else will tell the child
+            os.kill(os.getpid(), signal.SIGTERM)
+    return preexec if LIBC else None
 
 
 class SweepError(ValueError):
@@ -213,7 +235,8 @@ class Sweep:
         self.data_sha = {v: self.fingerprint(cfg) for v, cfg in self.configs.items()}
         self.recipes = {v: recipe(flatten(dataclasses.asdict(cfg)), self.data_sha[v])
                         for v, cfg in self.configs.items()}
-        self.stop_signal, self.running = None, {}  # running: child -> (variant, seed, start time)
+        self.stop_signal, self.running = None, {}  # running: child -> (variant, seed, start time, its pair's lock)
+        self.waiting = set()  # pairs found locked by another process (said once)
 
     def overrides(self, variant, timed=True):
         """The variant's overrides; timed: with the sweep's clock (calibrated: its calibration file)."""
@@ -277,6 +300,22 @@ class Sweep:
     def checkpoint(self, variant, seed) -> Path:
         return Path(self.configs[variant].run.out_dir) / "sweeps" / self.spec["name"] / f"{variant}-seed{seed}.pt"
 
+    def lock_path(self, variant, seed) -> Path:
+        """Beside the ledger: every process that writes the pair's rows, on any machine, looks there."""
+        folder = Path(self.configs[variant].ledger.path).absolute().parent / "locks" / self.spec["name"]
+        return folder / f"{variant}-seed{seed}.lock"
+
+    def take(self, variant, seed):
+        """The pair's lock (locks.py), or None while another process holds it (said once)."""
+        name, path = self.spec["name"], self.lock_path(variant, seed)
+        lock, found = locks.take(path, what=f"sweep {name} {variant} seed {seed}")
+        if lock is None and (variant, seed) not in self.waiting:
+            self.waiting.add((variant, seed))
+            print(f"sweep:{name} lock {path} held ({locks.holder(found)}): {variant} seed {seed} waits for it", flush=True)
+        elif lock and found:
+            print(f"sweep:{name} stale lock {path} ({locks.holder(found)}; no process holds it): taken over", flush=True)
+        return lock
+
     def command(self, variant, seed):
         ckpt = self.checkpoint(variant, seed)
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}"]
@@ -288,11 +327,16 @@ class Sweep:
         # changed) or unreadable (torn by a kill): then the run starts afresh and overwrites it.
         if ckpt.exists():
             try:
-                saved = recipe(flatten(train.load_checkpoint(ckpt)["config"]), self.data_sha[variant])
+                state = train.load_checkpoint(ckpt)
+                saved = recipe(flatten(state["config"]), self.data_sha[variant])
             except train.CheckpointError:
                 saved = None
             if saved == self.recipes[variant]:
                 cmd.append(f"checkpoint.resume={ckpt}")
+                if not any(r["run_id"] == state["run_id"] for r in ledger.read(self.configs[variant].ledger.path)):
+                    print(f"sweep:{self.spec['name']} checkpoint {ckpt} (run {state['run_id']}, step {state['step']}) has no "
+                          f"ledger row: its run was killed (kill -9, the OOM killer, a reboot); {variant} seed {seed} "
+                          f"resumes from it", flush=True)
         return cmd
 
     def on_signal(self, signum, frame):
@@ -317,23 +361,45 @@ class Sweep:
             todo = todo[:max_runs]
         print(f"sweep:{name} variants:{len(self.spec['variants'])} seeds:{len(seeds)} runs:{len(pairs)} "
               f"done_before:{len(pairs) - len([p for p in pairs if p not in done])} to_run_now:{len(todo)}", flush=True)
+        for folder in {self.lock_path(v, s).parent for v, s in pairs}:  # left by processes that died holding them
+            for path, found in locks.clear_stale(folder):
+                print(f"sweep:{name} stale lock {path} ({locks.holder(found)}; no process holds it): removed", flush=True)
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        start, failed, walls = time.time(), [], []
+        start, failed, walls, pending, started = time.time(), [], [], list(todo), 0
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)} if self.threads else None
         try:
-            for i, (variant, seed) in enumerate(todo):
-                while len(self.running) >= self.jobs:
+            while pending and self.stop_signal is None:
+                if len(self.running) >= self.jobs:
                     self.reap(walls, failed)
-                if self.stop_signal is not None:
-                    break
+                    continue
+                lock = None
+                for variant, seed in pending:
+                    if lock := self.take(variant, seed):
+                        break
+                if lock is None:  # every pair left is run by another process: wait for one, reaping ours
+                    self.reap(walls, failed, block=False)
+                    time.sleep(1)
+                    continue
+                pending.remove((variant, seed))
+                if any(int(r["seed"]) == seed for r in self.rows(variant, DONE)):
+                    print(f"sweep:{name} {variant} seed {seed} was finished by another process: skipped", flush=True)
+                    lock.release()
+                    continue
+                try:  # the child holds the lock too (pass_fds): one that outlives the sweep keeps its pair
+                    child = subprocess.Popen(self.command(variant, seed), env=env, pass_fds=(lock.fd,),
+                                             preexec_fn=dies_with(os.getpid()))
+                except BaseException:
+                    lock.release()
+                    raise
+                lock.note(child=child.pid)
+                self.running[child] = (variant, seed, time.time(), lock)
+                started += 1
                 per_run = (sum(walls) / len(walls) if walls else self.configs[variant].budget.seconds + 60) / self.jobs
-                left = per_run * (len(todo) - i)
-                print(f"sweep:{name} run {i + 1}/{len(todo)} variant:{variant} seed:{seed} "
+                left = per_run * (len(pending) + 1)
+                print(f"sweep:{name} run {started}/{len(todo)} variant:{variant} seed:{seed} pid:{child.pid} "
                       f"elapsed:{(time.time() - start) / 60:.1f}min left:~{left / 60:.0f}min "
                       f"ends:~{time.strftime('%H:%M', time.gmtime(time.time() + left))} UTC"
                       f"{'' if walls else ' (estimate: budget + 60 s per run)'}", flush=True)
-                child = subprocess.Popen(self.command(variant, seed), env=env)
-                self.running[child] = (variant, seed, time.time())
             while self.running:
                 self.reap(walls, failed)
         finally:
@@ -347,12 +413,13 @@ class Sweep:
             print(f"sweep:{name} runs that did not finish: {', '.join(failed)}", file=sys.stderr)
         return 1 if failed else 0
 
-    def reap(self, walls, failed):
-        """Wait for a running child to end and record every one that has."""
-        while not (ended := [c for c in self.running if c.poll() is not None]):
+    def reap(self, walls, failed, block=True):
+        """Record every running child that has ended (block: wait for one first) and release its lock."""
+        while not (ended := [c for c in self.running if c.poll() is not None]) and block:
             time.sleep(0.5)
         for child in ended:
-            variant, seed, t0 = self.running.pop(child)
+            variant, seed, t0, lock = self.running.pop(child)
+            lock.release()
             walls.append(time.time() - t0)
             if child.returncode not in (0, 1):  # 1: a diverged or failed run, which has its row
                 failed.append(f"{variant} seed {seed} (exit {child.returncode})")

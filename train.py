@@ -923,11 +923,12 @@ class Trainer:
                 elapsed = time.perf_counter() - t0
                 compiling = elapsed if warmup else backend.compile_seconds() - compiled_s
                 self.compile_s += compiling
-                if profiled:
-                    profile_s += elapsed
-                elif self.step_costs:  # calibrated: the stage's cost; a warm-up step is free, as on the wall clock
-                    self.train_s += 0.0 if warmup else self.step_costs[self.stage]
-                else:
+                profile_s += elapsed if profiled else 0.0
+                if self.step_costs:  # calibrated: the stage's cost; free are the steps free in a run never resumed (its
+                    # first, its profiled ones, a stage's first under device.compile), so a resumed run gets its steps too
+                    free = self.step_count == 1 or 2 < self.step_count <= 2 + profile_end - profile_first
+                    self.train_s += 0.0 if free or self.compiled and self.timeline[-1][2] == 1 else self.step_costs[self.stage]
+                elif not profiled:
                     self.train_s += elapsed if cfg.budget.count_compile else elapsed - compiling
                 if not (compiling or profiled):
                     self.step_ms.append(elapsed * 1000)

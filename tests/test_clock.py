@@ -4,6 +4,7 @@ and never mix clocks."""
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -127,6 +128,37 @@ def test_a_calibration_that_does_not_fit_the_run_is_refused(tmp_path, builtin_10
     (tmp_path / "bad.json").write_text("{}")
     assert "not a calibration file of version 1" in refused(tmp_path / "bad.json")
     assert "cannot read a calibration from it" in refused(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("step_ms", "62.5", "stage smoke/0: step_ms: expected a finite number > 0, got '62.5'"),
+    ("step_ms", 0, "stage smoke/0: step_ms: expected a finite number > 0, got 0"),
+    ("step_ms", -62.5, "stage smoke/0: step_ms: expected a finite number > 0, got -62.5"),
+    ("step_ms", float("nan"), "stage smoke/0: step_ms: expected a finite number > 0, got nan"),
+    ("step_ms", float("inf"), "stage smoke/0: step_ms: expected a finite number > 0, got inf"),
+    ("step_ms", True, "stage smoke/0: step_ms: expected a finite number > 0, got True"),
+    ("ratio", None, "stage smoke/0: ratio: expected a finite number > 0, it is missing"),
+    ("se", -0.01, "stage smoke/0: se: expected a finite number >= 0, got -0.01"),
+    ("rounds", 2.5, "stage smoke/0: rounds: expected an integer > 0, got 2.5"),
+    ("round_ms", [62.5, "x"], "stage smoke/0: round_ms[1]: expected a finite number > 0, got 'x'"),
+    ("round_ms", [], "stage smoke/0: round_ms: expected a non-empty list (each round's median step), got []"),
+    ("method", {"rounds": 0}, "method: rounds: expected an integer > 0, got 0"),
+    ("baseline", "k", "baseline k is not one of its stages"),
+])
+def test_a_calibrations_numbers_are_checked_before_training(tmp_path, builtin_1024, capsys, field, value, message):
+    """Each bad number: exit 2 before training, the file, the stage's name and the field named (Python's
+    json reads and writes NaN and Infinity, so a file can carry them)."""
+    path = calibration(tmp_path, [62.5])
+    doc = json.loads(path.read_text())
+    record = doc if field in ("method", "baseline") else next(iter(doc["stages"].values()))
+    if value is None:
+        del record[field]
+    else:
+        record[field] = value
+    path.write_text(json.dumps(doc))
+    assert train.main(["--config", str(SMOKE), *args(tmp_path, "budget.clock=calibrated", f"budget.calibration={path}")]) == 2
+    assert f"budget.calibration={path}: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "ledger.csv").exists()
 
 
 def test_a_reference_step_scales_every_cost_by_the_baselines(tmp_path):
@@ -260,3 +292,37 @@ def test_verdicts_pair_matching_seeds_and_never_mix_clocks(capsys):
     assert "timebase: calibrated c1 (also in common: wall (machine not recorded)" in capsys.readouterr().out
     ledger.print_verdict(both, "ra", "rb", "wall (machine not recorded)")
     assert "seeds 1, 2, 3" in capsys.readouterr().out
+
+
+def stop_at(step):
+    """A Trainer.step that, once the run has made `step` steps, asks it to stop as a SIGTERM would
+    (the loop finishes that step, checkpoints and writes an interrupted row): deterministic."""
+    step_once = train.Trainer.step
+
+    def stepped(self, progress):
+        loss = step_once(self, progress)
+        if self.step_count == step:
+            self.stop_signal = signal.SIGTERM
+        return loss
+    return stepped
+
+
+@pytest.mark.parametrize("stops, costs_ms, extra", [((12,), [62.5], ()), ((4, 30), [31.25, 62.5], (TWO_STAGES,))])
+def test_a_resumed_calibrated_run_gets_exactly_its_steps(tmp_path, builtin_1024, monkeypatch, stops, costs_ms, extra):
+    """Interrupted once, or twice (once inside the free warm-up and profiled steps, 1-7, once in the
+    second stage), and resumed each time: the uninterrupted run's steps, stages, clock and val_bpb."""
+    path = calibration(tmp_path, costs_ms, extra)
+    reference, _ = calibrated_run(tmp_path / "reference", path, *extra)
+    ckpt, resume, step = tmp_path / "run.pt", (), train.Trainer.step
+    for n in stops:
+        monkeypatch.setattr(train.Trainer, "step", stop_at(n))
+        assert train.main(["--config", str(SMOKE), *args(tmp_path, "budget.clock=calibrated", f"budget.calibration={path}",
+                                                        "budget.max_steps=0", "budget.seconds=1.25", *extra,
+                                                        f"checkpoint.path={ckpt}", *resume)]) == 128 + signal.SIGTERM
+        resume = (f"checkpoint.resume={ckpt}",)
+    monkeypatch.setattr(train.Trainer, "step", step)
+    row, _ = calibrated_run(tmp_path, path, *extra, f"checkpoint.path={ckpt}", *resume)
+    interrupted = ledger.read(tmp_path / "ledger.csv")[:-1]
+    assert [(r["status"], r["steps"]) for r in interrupted] == [("interrupted", str(n)) for n in stops]
+    assert (row["steps"], row["stages"], row["train_s"], row["val_bpb"]) == (
+        reference["steps"], reference["stages"], reference["train_s"], reference["val_bpb"])

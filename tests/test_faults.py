@@ -1,10 +1,13 @@
 """Faults and bad input (issue 11): kill -9 at seeded points then resume, signals during the final
 save and evaluation, a full disk (RLIMIT_FSIZE), crafted and damaged checkpoints, divergence, and
-each bad input stopping before training with exit code 2 and the file or key named."""
+each bad input stopping before training with exit code 2 and the file or key named; sweeps killed
+alone or after their run, and the per-pair locks that keep two processes off one pair (issue 38)."""
+import json
 import os
 import random
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +18,8 @@ import torch
 
 import data
 import ledger
+import locks
+import sweep
 import train
 from config import load_config
 
@@ -360,3 +365,131 @@ def test_a_diverged_run_never_overwrites_a_good_checkpoint(tmp_path, good_checkp
     trainer.loader.close()
     assert shared.read_bytes() == good_checkpoint.read_bytes()
     assert "skipped: non-finite parameters" in (tmp_path / "log.txt").read_text()
+
+
+# -- sweeps killed alone, and the per-pair locks ----------------------------------------------------
+
+def tiny_sweep(tmp_path, *overrides):
+    """A sweep of one variant, two seeds, 30 logged steps each -> its command, the first pair's lock and checkpoint."""
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(f"name: tiny\nconfig: {SMOKE}\nseeds: [1, 2]\nvariants:\n  a: []\noverrides: "
+                    f"[{', '.join(['budget.max_steps=30', 'run.log_every=1', 'eval.tokens=1024', *overrides])}]\n")
+    command = [sys.executable, str(ROOT / "sweep.py"), str(spec), *args(tmp_path)[2:]]
+    return command, tmp_path / "locks" / "tiny" / "a-seed1.lock", tmp_path / "runs" / "sweeps" / "tiny" / "a-seed1.pt"
+
+
+def wait_for(condition, proc):
+    """Poll until condition(), failing if `proc` ends first (or, so that a bug cannot hang the suite, after 10 minutes)."""
+    deadline = time.monotonic() + 600
+    while not condition():
+        assert proc.poll() is None and time.monotonic() < deadline, f"exit {proc.poll()} before the awaited state"
+        time.sleep(0.1)
+
+
+def start_and_reach_step_3(command, tmp_path):
+    """The sweep, its output in a file; -> (it, its first train.py's pid) once that run logged step 3."""
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:
+        first = subprocess.Popen(command, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_for(lambda: "\nstep:3 " in log.read_text(), first)
+    (child,) = Path(f"/proc/{first.pid}/task/{first.pid}/children").read_text().split()
+    return first, int(child)
+
+
+def start_until_it_waits(command, tmp_path):
+    """The sweep -> (it, its output lines up to the one that says it waits for a pair's lock)."""
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "waits for it" in line:
+            break
+    return proc, lines
+
+
+def test_a_sweep_killed_alone_stops_its_run_and_the_rerun_waits_for_it(tmp_path, builtin_1024):
+    """kill -9 of sweep.py alone: its train.py gets SIGTERM, finishes its step, checkpoints and writes
+    an interrupted row. It is held stopped meanwhile, so that the rerun meets it still running: the
+    rerun waits for the pair's lock, which that child holds, runs the other pair, then resumes this one."""
+    command, lock, _ = tiny_sweep(tmp_path)
+    first, child = start_and_reach_step_3(command, tmp_path)
+    os.kill(child, signal.SIGSTOP)
+    try:
+        first.kill()  # the sweep alone: its child is in the same process group, untouched
+        first.wait()
+        rerun, lines = start_until_it_waits(command, tmp_path)
+        assert (f"lock {lock} held (sweep tiny a seed 1: pid {first.pid} dead, child pid {child} alive on host "
+                f"{socket.gethostname()}, since ") in lines[-1] and lines[-1].endswith("): a seed 1 waits for it\n"), lines
+    finally:
+        os.kill(child, signal.SIGCONT)  # it takes the SIGTERM its sweep's death sent
+    out = "".join(lines) + rerun.communicate(timeout=600)[0]
+    assert rerun.returncode == 0, out
+    rows = ledger.read(tmp_path / "ledger.csv")
+    assert [(r["status"], r["seed"]) for r in rows] == [("interrupted", "1"), ("ok", "2"), ("ok", "1")], out
+    assert rows[2]["steps"] == "30" and f"resumed from {rows[0]['run_id']} at step {rows[0]['steps']}" in rows[2]["notes"]
+    assert out.count("stale lock") == 1 and f"stale lock {lock} (" in out and not lock.exists()
+
+
+def test_a_run_killed_before_its_sweep_is_reported_and_resumed(tmp_path, builtin_1024):
+    """kill -9 of the running train.py, then of its sweep (held stopped in between, so that it cannot
+    notice): the rerun says in one line each that it found a stale lock and a checkpoint without a
+    row, and resumes the pair from that checkpoint: one ok row per pair, no other."""
+    command, lock, ckpt = tiny_sweep(tmp_path, "checkpoint.every_seconds=1e-9")
+    first, child = start_and_reach_step_3(command, tmp_path)
+    os.kill(first.pid, signal.SIGSTOP)
+    os.kill(child, signal.SIGKILL)
+    first.kill()
+    first.wait()
+    saved = train.load_checkpoint(ckpt)
+    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    stale = [line for line in out.stdout.splitlines() if "stale lock" in line]
+    assert len(stale) == 1 and stale[0].startswith(f"sweep:tiny stale lock {lock} (sweep tiny a seed 1: pid {first.pid} "
+                                                   f"dead, child pid {child} dead on host {socket.gethostname()}")
+    assert stale[0].endswith("; no process holds it): removed")
+    orphaned = [line for line in out.stdout.splitlines() if "has no ledger row" in line]
+    assert orphaned == [f"sweep:tiny checkpoint {ckpt} (run {saved['run_id']}, step {saved['step']}) has no ledger row: "
+                        f"its run was killed (kill -9, the OOM killer, a reboot); a seed 1 resumes from it"]
+    rows = ledger.read(tmp_path / "ledger.csv")
+    assert [(r["status"], r["seed"], r["steps"]) for r in rows] == [("ok", "1", "30"), ("ok", "2", "30")]
+    assert f"resumed from {saved['run_id']} at step {saved['step']}" in rows[0]["notes"] and not lock.exists()
+
+
+def test_two_sweeps_never_run_one_pair(tmp_path, builtin_1024):
+    """A pair whose lock another process holds (here the test, as a second sweep would) is waited
+    for; once that process has finished the pair and let go, the sweep skips it."""
+    command, lock, _ = tiny_sweep(tmp_path)
+    other, _ = locks.take(lock, what="another sweep")
+    runs, lines = start_until_it_waits(command, tmp_path)
+    recipe = sweep.Sweep(sweep.load_sweep(Path(command[2])), command[3:], nproc=1).recipes["a"]
+    ledger.append(tmp_path / "ledger.csv", dict(time="t", run_id="other-run", config=str(SMOKE), seed=1, status="ok",
+                                                recipe=recipe, sweep="tiny", variant="a", val_bpb=3.0, tokens_per_s=1.0))
+    other.release()
+    out = "".join(lines) + runs.communicate(timeout=600)[0]
+    assert runs.returncode == 0, out
+    assert "sweep:tiny a seed 1 was finished by another process: skipped" in out
+    assert [(r["run_id"], r["seed"]) for r in ledger.read(tmp_path / "ledger.csv")][0] == ("other-run", "1")
+    assert [r["seed"] for r in ledger.read(tmp_path / "ledger.csv")] == ["1", "2"]
+
+
+def test_a_lock_is_exclusive_inherited_and_stale_only_once_nobody_holds_it(tmp_path):
+    path = tmp_path / "locks" / "x.lock"
+    lock, found = locks.take(path, what="x")
+    assert found == {} and json.loads(path.read_text()) == lock.info
+    assert locks.take(path) == (None, lock.info)  # another open of the file, even in this process
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                             pass_fds=(lock.fd,))
+    lock.note(child=child.pid)
+    os.close(lock.fd)  # its taker gone (as a sweep killed alone): the child still holds it
+    assert locks.take(path)[0] is None and locks.clear_stale(path.parent) == []
+    child.communicate(b"")
+    assert locks.clear_stale(path.parent) == [(path, lock.info)] and not path.exists()
+    here = socket.gethostname()
+    assert locks.holder(lock.info) == (f"x: pid {os.getpid()} alive, child pid {child.pid} dead on host {here}, "
+                                       f"since {lock.info['since']}")
+    path.write_text(json.dumps(dict(host="elsewhere", pid=os.getpid(), what="x", since="t")))
+    taken, found = locks.take(path, what="y")  # judged by its flock, which nobody holds, not by that pid
+    assert locks.holder(found) == (f"x: pid {os.getpid()} on host elsewhere (another machine: its pids are not "
+                                   f"checked here), since t")
+    taken.release()
+    assert not path.exists()
