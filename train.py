@@ -615,9 +615,8 @@ class Trainer:
         model = {**trained, **{name: self.ema[self.masters.get(p, p)]
                                for name, p in self.model.named_parameters()}} if self.ema else trained
         state = dict(model=model, trained=trained if self.ema else {}, optimizers=[o.state_dict() for o in self.optimizers],
-                     loader=self.loader_state, step=self.step_count, train_s=self.train_s,
-                     compile_s=self.compile_s, run_id=self.run_id, config=dataclasses.asdict(self.cfg),
-                     timeline=self.timeline, flops=self.flops,
+                     loader=self.loader_state, step=self.step_count, train_s=self.train_s, compile_s=self.compile_s,
+                     run_id=self.run_id, config=dataclasses.asdict(self.cfg), timeline=self.timeline, flops=self.flops,
                      # numpy's state as plain values: a checkpoint must load with weights_only=True
                      rng=dict(torch=torch.get_rng_state(), numpy=[v.tolist() if isinstance(v, np.ndarray) else v
                                                                   for v in np.random.get_state()],
