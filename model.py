@@ -432,9 +432,10 @@ class GPT(nn.Module):
         for position, i in enumerate(self.active):
             block = self.blocks[i]
             ve = values if i in self.ve_layers else None
+            mlp_lane = x if lanes is None else lanes[1]  # the lanes start as the stream before the first one's inputs
             x = self.block_input(block, position, x, x0, bigram, skips)  # once there are lanes, x is the attention lane
             if block.parallel and self.cfg.parallel_lanes == 2:  # the last active blocks: no routing, no loop
-                lanes = block.lanes(x, x if lanes is None else lanes[1], ve, doc)
+                lanes = block.lanes(x, mlp_lane, ve, doc)
                 x = lanes[0]
             elif i not in self.routed:
                 x = block(x, ve=ve, doc=doc)

@@ -277,17 +277,21 @@ def test_skip_gates_lerp_between_the_skip_and_the_stream():
 
 
 def test_two_lane_decoder_by_hand():
-    model = build("model.parallel_layers=2", "model.parallel_lanes=2").eval()
+    """With U-net skips too: the skip enters the attention lane only (as in the records)."""
+    model = build("model.parallel_layers=2", "model.parallel_lanes=2", "model.unet=true").eval()
     idx = tokens()
     with torch.no_grad():
         x = rms_norm(model.wte(idx))
+        outputs = []
         for i in (0, 1):
             x = model.blocks[i](x)
+            outputs.append(x)
         lanes = (x, x)
-        for i in (2, 3):
+        for i, skip in ((2, outputs[1]), (3, outputs[0])):  # the mirrored first-half outputs
             b = model.blocks[i]
-            a, m = b.attn(rms_norm(lanes[0])), b.mlp(rms_norm(lanes[1]))
-            lanes = tuple(mix[0] * lane + mix[1] * a + mix[2] * m for mix, lane in zip(b.lane_mix, lanes))
+            attn_lane = lanes[0] + b.skip_weight * skip
+            a, m = b.attn(rms_norm(attn_lane)), b.mlp(rms_norm(lanes[1]))
+            lanes = tuple(mix[0] * lane + mix[1] * a + mix[2] * m for mix, lane in zip(b.lane_mix, (attn_lane, lanes[1])))
         want = rms_norm(0.5 * (lanes[0] + lanes[1]))
         torch.testing.assert_close(model.hidden(idx), want, rtol=0, atol=1e-5)
     fresh = build("model.parallel_layers=2", "model.parallel_lanes=2", random=False)
