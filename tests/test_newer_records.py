@@ -37,11 +37,11 @@ def cfg_with(*overrides):
     return load_config(SMOKE, ["model.n_layer=4", *overrides])
 
 
-def build(*overrides, seed=0, random=True, mod=None):
+def build(*overrides, seed=0, random=True):
     """A model with every weight random (zero-initialised projections and gates would hide a branch)."""
     c = cfg_with(*overrides)
     torch.manual_seed(seed)
-    model = GPT(c.model, mod or c.mod, bos=BOS)
+    model = GPT(c.model, c.mod, bos=BOS)
     if random:
         with torch.no_grad():
             for p in model.parameters():
