@@ -184,16 +184,24 @@ def ablation(config: str, seeds: list, clock="wall") -> dict:
             variants["no-recur-gate"] = ["schedule.recur_gate=false"]
     # The parameter-golf records' recipe items, when the config has them.
     m, o = cfg.model, cfg.optim
-    for name, off, on in (
-            ("no-parallel", ["model.parallel_layers=0", "model.parallel_lanes=1"][:1 + (m.parallel_lanes == 2)],
-             m.parallel_layers), ("one-lane", ["model.parallel_lanes=1"], m.parallel_lanes == 2),
-            ("no-ema", ["optim.ema=0"], o.ema), ("relu2", ["model.mlp=relu2"], m.mlp == "leaky_relu2"),
-            ("no-doc-mask", ["model.doc_mask=false"], m.doc_mask), ("no-smear-gate", ["model.smear_gate=false"], m.smear_gate),
-            ("no-attn-gate", ["model.attn_gate=none"], m.attn_gate != "none"),
-            ("full-rope", ["model.rope_fraction=1"], m.rope_fraction < 1), ("no-ln-scale", ["model.ln_scale=false"], m.ln_scale),
-            ("no-skip-gates", ["model.skip_gates=false"], m.skip_gates), ("no-xsa", ["model.xsa_layers=0"], m.xsa_layers),
-            ("quintic-ns", ["optim.muon_ns=quintic"], o.muon_ns != "quintic"),
-            ("no-row-norm", ["optim.muon_row_norm=false"], o.muon_row_norm), ("no-muon-wd", ["optim.muon_wd=0"], o.muon_wd)):
+    items = (
+        ("no-parallel", ["model.parallel_layers=0"] + (["model.parallel_lanes=1"] if m.parallel_lanes == 2 else []),
+         m.parallel_layers),
+        ("one-lane", ["model.parallel_lanes=1"], m.parallel_lanes == 2),
+        ("no-ema", ["optim.ema=0"], o.ema),
+        ("relu2", ["model.mlp=relu2"], m.mlp == "leaky_relu2"),
+        ("no-doc-mask", ["model.doc_mask=false"], m.doc_mask),
+        ("no-smear-gate", ["model.smear_gate=false"], m.smear_gate),
+        ("no-attn-gate", ["model.attn_gate=none"], m.attn_gate != "none"),
+        ("full-rope", ["model.rope_fraction=1"], m.rope_fraction < 1),
+        ("no-ln-scale", ["model.ln_scale=false"], m.ln_scale),
+        ("no-skip-gates", ["model.skip_gates=false"], m.skip_gates),
+        ("no-xsa", ["model.xsa_layers=0"], m.xsa_layers),
+        ("quintic-ns", ["optim.muon_ns=quintic"], o.muon_ns != "quintic"),
+        ("no-row-norm", ["optim.muon_row_norm=false"], o.muon_row_norm),
+        ("no-muon-wd", ["optim.muon_wd=0"], o.muon_wd),
+    )
+    for name, off, on in items:
         if on:
             variants[name] = off
     if cfg.device.compile:
