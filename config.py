@@ -408,11 +408,6 @@ def validate(cfg: Config):
                 or not all(0 <= i < m.n_layer for i in r.layers):
             raise ConfigError(f"mod.layers: expected distinct layer indices in [0, {m.n_layer}) (model.n_layer), "
                               f"got {list(r.layers)} (empty only with mod.recur)")
-        if r.granularity == "block" and (m.doc_mask or any(s.get("doc_mask") for s in cfg.schedule.stages
-                                                             if isinstance(s, dict))):
-            raise ConfigError("model.doc_mask: a routed tile can hold the end of one document and the start of the "
-                              "next, and its routing reads the tile before it; expected mod.granularity token, layer "
-                              "or microbatch with document masking, got block")
         if r.granularity == "block" and cfg.data.seq_len % r.block_size:
             raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be a multiple of mod.block_size ({r.block_size})")
     b = cfg.budget
@@ -423,7 +418,11 @@ def validate(cfg: Config):
         raise ConfigError("budget.calibration and budget.reference_step_ms need budget.clock=calibrated")
     if cfg.data.source == "shards" and not cfg.data.tokenizer:
         raise ConfigError("data.tokenizer: data.source=shards needs the sentencepiece .model of the shards")
-    resolve_stages(cfg)
+    stages = resolve_stages(cfg)
+    if r.granularity == "block" and any(stage.doc_mask for stage in stages):
+        raise ConfigError("model.doc_mask: a routed tile can hold the end of one document and the start of the "
+                          "next, and its routing reads the tile before it; expected mod.granularity token, layer "
+                          "or microbatch with document masking, got block")
 
 
 SWITCH_POINT = re.compile(r"^\s*([0-9][0-9.e+]*)\s*(s|tokens)\s*$")
