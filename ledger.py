@@ -32,7 +32,7 @@ COLUMNS = [
     "peak_mem_mb", "stages", "status", "recipe", "sweep", "variant", "profile", "machine", "clock",
     "calibration", "step_cost_ms", "notes",
 ]
-STATUSES = ("ok", "diverged", "failed", "interrupted")
+STATUSES = ("ok", "diverged", "failed", "interrupted", "pruned")  # pruned: stopped early by a search (search.py)
 # Columns where `compare` prints a B - A delta; ids, hashes and seeds look numeric but are not.
 NUMERIC_COLUMNS = frozenset([
     "world_size", "params", "active_params", "budget_s", "train_s", "compile_s", "data_wait_s",

@@ -116,6 +116,9 @@ def load_sweep(path: Path) -> dict:
         raise SweepError(f"{path}: cannot read a sweep from it: {e}") from None
     if not isinstance(doc, dict):
         raise SweepError(f"{path}: expected a mapping with name, config, seeds and variants")
+    if "search" in doc:  # a search (search.py), which imports this file
+        import search
+        return search.load(path, doc)
     unknown = set(doc) - {"name", "config", "seeds", "overrides", "baseline", "variants", "grid", "clock"}
     if unknown:
         raise SweepError(f"{path}: unknown keys {', '.join(sorted(unknown))}; expected name, config, seeds, "
@@ -254,16 +257,21 @@ class Sweep:
     def calibration_id(self):
         return clock.read(self.calibration)["id"] if self.calibration and self.calibration.is_file() else None
 
+    def stage_keys(self) -> dict:
+        """{stage key: (variant, stage index)}: the first variant that runs each stage, the baseline first."""
+        wanted = {}
+        for variant in [self.spec["baseline"], *self.configs]:
+            flat = flatten(dataclasses.asdict(self.configs[variant]))
+            for index, stage in enumerate(resolve_stages(self.configs[variant])):
+                wanted.setdefault(clock.stage_key(flat, self.data_sha[variant], stage), (variant, index))
+        return wanted
+
     def calibrate(self):
         """Measure the stages the sweep's calibration lacks (all, the first time), with its baseline
         (the baseline variant's first stage): a model built here per distinct stage (one that
         several variants run, or that differs only in what a step does not compute, is measured
         once)."""
-        wanted = {}  # stage key -> (variant, stage index): the first variant that runs it, the baseline first
-        for variant in [self.spec["baseline"], *self.configs]:
-            flat = flatten(dataclasses.asdict(self.configs[variant]))
-            for index, stage in enumerate(resolve_stages(self.configs[variant])):
-                wanted.setdefault(clock.stage_key(flat, self.data_sha[variant], stage), (variant, index))
+        wanted = self.stage_keys()
         known = clock.read(self.calibration)["stages"] if self.calibration.is_file() else {}
         base = next(iter(wanted))
         if all(key in known for key in wanted):
@@ -491,7 +499,10 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun --nproc_per_node)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at once, each on cpus/N threads (clock: calibrated only; calibrated on that many threads)")
-    parser.add_argument("--max-runs", type=int, default=0, help="run at most this many runs now (0 = all)")
+    parser.add_argument("--max-runs", type=int, default=0, help="run at most this many runs (or trials) now (0 = all)")
+    parser.add_argument("--storage", help="a search's Optuna storage: a URL (postgresql://, mysql://, sqlite://) or a "
+                                          "journal file (default <name>/study.journal beside the search file)")
+    parser.add_argument("--no-confirm", action="store_true", help="a search: stop after its trials")
     parser.add_argument("--clock", choices=("wall", "calibrated"), default="wall", help="--ablate: the runs' clock")
     parser.add_argument("--calibration-rounds", type=int, default=clock.ROUNDS,
                         help=f"rounds per stage of a calibration (default {clock.ROUNDS}; its standard error grows as 1/sqrt)")
@@ -505,6 +516,14 @@ def main(argv=None) -> int:
         parser.error("give a sweep file or --ablate CONFIG (not both)")
     try:
         spec = ablation(args.ablate, args.seeds, args.clock) if args.ablate else load_sweep(Path(args.sweep))
+        if "search" in spec:
+            if args.nproc > 1 or args.calibrate_only:
+                raise SweepError(f"{args.sweep}: a search runs one process per trial and calibrates each trial itself "
+                                 f"(no --nproc, no --calibrate-only)")
+            import search
+            return search.Worker(spec, args.overrides, args.jobs, args.storage, args.max_runs).run(not args.no_confirm)
+        if args.storage or args.no_confirm:
+            raise SweepError("--storage and --no-confirm are options of a search (a sweep file with search:)")
         sweep = Sweep(spec, args.overrides, args.nproc, args.jobs, args.calibration_rounds)
         return sweep.run(args.max_runs, args.calibrate_only)
     except (SweepError, ConfigError, train.data.DataError) as e:

@@ -829,6 +829,7 @@ class Trainer:
             return
         self.curve_s += seconds
         self.curve_points += 1
+        self.last_curve = (self.train_s / self.cfg.budget.seconds, val_bpb)
         self.log(f"curve step:{self.step_count} train_s:{self.train_s:.1f} val_loss:{val_loss:.4f} "
                  f"val_bpb:{val_bpb:.4f} eval_s:{seconds:.2f}")
         self.metric("curve", val_loss=val_loss, val_bpb=val_bpb, eval_s=seconds)
@@ -855,7 +856,8 @@ class Trainer:
         self.log(f"machine:{self.machine} clock:{cfg.budget.clock}" + (f" calibration:{self.calibration} step_ms:" + ",".join(
             f"{c * 1000:.2f}" for c in self.step_costs) if self.step_costs else ""))
 
-        handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        # SIGUSR1: pruned by a search (search.py): the run stops, with no checkpoint and no evaluation.
+        handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
         status, error, start_step = "ok", "", self.step_count
         # Precompile runs each stage's graphs: its first step (which may create optimizer state,
         # a graph of its own), then the steady step, which under layer routing has a graph per
@@ -881,7 +883,7 @@ class Trainer:
             while True:
                 self.train_s, stop = backend.agree(self.train_s, self.stop_signal is not None)
                 if stop:
-                    status = "interrupted"
+                    status = "pruned" if self.stop_signal == signal.SIGUSR1 else "interrupted"
                     break
                 if self.train_s >= budget or (max_steps and self.step_count >= max_steps):
                     break
@@ -1040,6 +1042,9 @@ class Trainer:
                          f"{cfg.budget.reference_step_ms:g} ms")
         if cfg.device.dtype == "auto":  # auto's choice depends on the CPU, not the recipe
             notes.append(f"dtype={backend.dtype_name} (auto){', attention float32' if backend.attn_float32 else ''}")
+        if status == "pruned":
+            notes.append(f"pruned at p={self.train_s / cfg.budget.seconds:.3f}, its last curve point val_bpb="
+                         f"{self.last_curve[1]:.4f} at p={self.last_curve[0]:.3f}" if self.curve_points else "pruned")
         if self.curve_points:
             notes.append(f"curve_evals={self.curve_points} curve_eval_s={self.curve_s:.1f}")
         if compiles:
@@ -1093,7 +1098,7 @@ def main(argv=None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 128 + (trainer.stop_signal or signal.SIGTERM) if status == "interrupted" else (0 if status == "ok" else 1)
+    return 128 + (trainer.stop_signal or signal.SIGTERM) if status == "interrupted" else (0 if status in ("ok", "pruned") else 1)
 
 
 if __name__ == "__main__":
