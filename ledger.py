@@ -350,6 +350,17 @@ def verdict(a, b, higher_is_better, paired=False):
 METRICS = (("val_bpb", False), ("tokens_per_s", True))  # (column, higher is better)
 
 
+def cost_ratio(rows_a, rows_b) -> dict:
+    """Tokens/s under the calibrated clock: tokens over the calibrated seconds, a constant of the
+    recipe and the calibration, not a sample: B's over A's is the calibration's cost ratio, stated
+    as such (a t-test of constants says nothing)."""
+    a, b = ([float(r["tokens_per_s"]) for r in rows] for rows in (rows_a, rows_b))
+    mean_a, mean_b = statistics.fmean(a), statistics.fmean(b)
+    return dict(n_a=len(a), mean_a=mean_a, sd_a=math.nan, n_b=len(b), mean_b=mean_b, sd_b=math.nan,
+                diff=mean_b - mean_a, low=math.nan, high=math.nan, p=math.nan, ratio=mean_b / mean_a, seeds=None,
+                test="calibrated cost ratio", verdict=f"x{mean_b / mean_a:.3f} by the calibration")
+
+
 def judge(rows_a, rows_b) -> dict:
     """{column of METRICS: verdict} of B against A, and "pairs": the seeds both arms ran. With at least
     two, the runs are paired seed by seed (a seed run more than once counts with its mean) and the
@@ -361,8 +372,11 @@ def judge(rows_a, rows_b) -> dict:
         return {seed: statistics.fmean(values) for seed, values in seeds.items()}
     common = sorted(set(per_seed(rows_a, "val_bpb")) & set(per_seed(rows_b, "val_bpb")) - {None, ""}, key=str)
     out = dict(pairs=common if len(common) > 1 else [])
+    calibrated = all(r.get("clock") == "calibrated" for r in [*rows_a, *rows_b])
     for column, higher in METRICS:
-        if out["pairs"]:
+        if column == "tokens_per_s" and calibrated:
+            out[column] = cost_ratio(rows_a, rows_b)
+        elif out["pairs"]:
             a, b = per_seed(rows_a, column), per_seed(rows_b, column)
             out[column] = verdict([a[s] for s in common], [b[s] for s in common], higher, paired=True)
         else:
@@ -377,9 +391,12 @@ def verdict_lines(name_a, rows_a, name_b, rows_b):
     for column, _ in METRICS:
         v = judged[column]
         seeds = ("-" if v["seeds"] is None else f">{MAX_SEEDS}" if v["seeds"] > MAX_SEEDS else str(v["seeds"]))
-        lines.append([column, f"A {name_a}", str(v["n_a"]), f"{v['mean_a']:.6g}", f"{v['sd_a']:.3g}", "", "", "", "", ""])
-        lines.append(["", f"B {name_b}", str(v["n_b"]), f"{v['mean_b']:.6g}", f"{v['sd_b']:.3g}", f"{v['diff']:+.4g}",
-                      f"[{v['low']:+.4g}, {v['high']:+.4g}]", f"{v['p']:.3g}", v["verdict"], seeds])
+        ratio = "ratio" in v  # constants: no spread, no test
+        sd_a, sd_b, ci, p = ("", "", "", "") if ratio else (f"{v['sd_a']:.3g}", f"{v['sd_b']:.3g}",
+                                                           f"[{v['low']:+.4g}, {v['high']:+.4g}]", f"{v['p']:.3g}")
+        lines.append([column, f"A {name_a}", str(v["n_a"]), f"{v['mean_a']:.6g}", sd_a, "", "", "", "", ""])
+        lines.append(["", f"B {name_b}", str(v["n_b"]), f"{v['mean_b']:.6g}", sd_b, f"{v['diff']:+.4g}",
+                      ci, p, v["verdict"], seeds])
     return lines, test_line(judged, len(rows_a) + len(rows_b))
 
 

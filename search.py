@@ -61,7 +61,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -74,6 +73,8 @@ from config import ConfigError, flatten, load_config
 
 KEYS = {"trials", "seed", "budget", "space", "templates", "prune", "confirm", "calibration_rounds"}
 COUNTED = ("ok", "pruned", "diverged", "failed")  # outcomes of trials that ran
+# Validation before the calibration exists: the clock the trials will run under (the file is read only by a run).
+CHECKED_CLOCK = ("budget.clock=calibrated", "budget.calibration=unread.json")
 PRUNE_AFTER = 5  # default prune.after: finished trials before the pruner judges anyone
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -106,7 +107,7 @@ def load(path: Path, doc: dict) -> dict:
     trials = number("trials", s.get("trials"), integer=True, low=0)
     seed = number("seed", s.get("seed", 0), integer=True, low=-1)
     rounds = number("calibration_rounds", s.get("calibration_rounds", 10), integer=True, low=1)
-    cfg = load_config(doc["config"], doc.get("overrides") or [])
+    cfg = load_config(doc["config"], [*(doc.get("overrides") or []), *CHECKED_CLOCK])
     budget = number("budget", s.get("budget", cfg.budget.seconds), low=0)
     prune = s.get("prune")
     if prune is not None:
@@ -240,7 +241,7 @@ def check_space(spec, where, keys: dict):
             for params in others:
                 params[name] = value
                 try:
-                    load_config(spec["config"], [*common_overrides(spec), *trial_overrides(spec, params)])
+                    load_config(spec["config"], [*common_overrides(spec), *trial_overrides(spec, params), *CHECKED_CLOCK])
                     break
                 except ConfigError as e:
                     first = first or e
@@ -302,7 +303,8 @@ class Worker:
     def orphan(self):
         """A RUNNING trial of this host whose lock nobody holds (its worker died) -> taken over."""
         for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            if t.number in self.running or t.user_attrs.get("host") != socket.gethostname() or "overrides" not in t.user_attrs:
+            if (t.number in self.running or t.user_attrs.get("host") != socket.gethostname()
+                    or "overrides" not in t.user_attrs or locks.alive(t.user_attrs["pid"])):
                 continue
             runner = self.sweep_for(self.variant(t.number), t.user_attrs["overrides"])
             lock = runner.take(self.variant(t.number), runner.configs["base"].run.seed)
@@ -330,14 +332,20 @@ class Worker:
                 self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 return None
             overrides = trial_overrides(self.spec, trial.params)
-            trial.set_user_attr("overrides", overrides)
             try:
                 runner = self.sweep_for(self.variant(trial.number), overrides)
-                self.calibrate(runner, trial)
             except (ConfigError, sweep.SweepError) as e:
                 self.invalid(trial, str(e))
                 continue
+            # Its lock first, then `overrides`, which makes it a trial orphan() may take over: held, it is not.
             lock = runner.take(self.variant(trial.number), runner.configs["base"].run.seed)
+            trial.set_user_attr("overrides", overrides)
+            try:
+                self.calibrate(runner, trial)
+            except ConfigError as e:
+                lock.release()
+                self.invalid(trial, str(e))
+                continue
             return trial, runner, lock, set()
         raise SearchError(f"search {self.name}: 1000 draws in a row did not validate; narrow the space")
 
@@ -386,22 +394,26 @@ class Worker:
         log.parent.mkdir(exist_ok=True)
         seed = runner.configs["base"].run.seed
         env = {**os.environ, "OMP_NUM_THREADS": str(runner.threads)} if runner.threads else None  # as calibrated
-        child = subprocess.Popen(runner.command(variant, seed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, env=env, pass_fds=(lock.fd,), preexec_fn=sweep.dies_with(os.getpid()))
+        # Its output goes to a file, never a pipe: a run whose search died still writes its last lines and row.
+        with open(log, "a") as out:
+            record["offset"] = out.tell()
+            child = subprocess.Popen(runner.command(variant, seed), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                     pass_fds=(lock.fd,), preexec_fn=sweep.dies_with(os.getpid()))
         lock.note(child=child.pid)
-        record["child"] = child
-        threading.Thread(target=self.read_output, args=(child, log, record["points"]), daemon=True).start()
+        record["child"], record["log"] = child, log
 
     @staticmethod
-    def read_output(child, log, points):
-        """The child's output to its log; its curve points (p-less: train_s, val_bpb) into `points`."""
-        with open(log, "a") as f:
-            for line in child.stdout:
-                f.write(line)
-                f.flush()
-                if line.startswith("curve "):
-                    fields = dict(part.split(":", 1) for part in line.split()[1:])
-                    points.append((float(fields["train_s"]), float(fields["val_bpb"])))
+    def read_points(record):
+        """The curve points (train_s, val_bpb) its run has logged since the last call."""
+        with open(record["log"], "rb") as f:
+            f.seek(record["offset"])
+            text = f.read()
+        end = text.rfind(b"\n") + 1  # whole lines only
+        record["offset"] += end
+        for line in text[:end].decode(errors="replace").splitlines():
+            if line.startswith("curve "):
+                fields = dict(part.split(":", 1) for part in line.split()[1:])
+                record["points"].append((float(fields["train_s"]), float(fields["val_bpb"])))
 
     def prune_check(self, record):
         """Report each curve point at a prune fraction; stop the run if Optuna says so."""
@@ -409,6 +421,8 @@ class Worker:
         if not prune or record.get("pruning") or record["child"] is None:
             return
         spacing = prune["at"][0]
+        if "log" in record:
+            self.read_points(record)
         while record["points"]:
             train_s, bpb = record["points"].pop(0)
             p = train_s / budget
@@ -485,8 +499,6 @@ class Worker:
                     taken = self.ask()
                     if taken is None:
                         exhausted = True
-                    elif taken[2] is None:  # its lock is held elsewhere (a second worker took it first)
-                        continue
                     else:
                         self.start(*taken)
                         ran += 1

@@ -99,7 +99,7 @@ class SweepError(ValueError):
 
 def flow(value) -> str:
     """A YAML value on one line, as an override's right-hand side."""
-    return yaml.safe_dump(value, default_flow_style=True, width=math.inf).strip()
+    return yaml.safe_dump(value, default_flow_style=True, width=math.inf).removesuffix("...\n").strip()  # a scalar's end mark
 
 
 def plain_name(name, what):
@@ -239,7 +239,8 @@ class Sweep:
             torch.set_num_threads(self.threads)  # the calibration's threads: those of each run
         if spec["clock"] == "calibrated":
             base = load_config(self.config_file(spec["baseline"]), [*spec["overrides"], *spec["variants"][spec["baseline"]],
-                                                                      *extra])
+                                                                      *extra, "budget.clock=calibrated",
+                                                                      "budget.calibration=unread.json"])  # its device
             self.here = clock.machine(train.Backend(base.device).accelerator)
             self.calibration = spec["out"] / f"calibration-{hashlib.sha256(self.here.encode()).hexdigest()[:8]}.json"
         self.configs = {v: self.variant_config(v) for v in spec["variants"]}  # every variant checked up front
@@ -465,7 +466,8 @@ class Sweep:
                                   f"{bpb_v['p']:.3g}", bpb_v["verdict"], seeds,
                                   f"paired ({len(judged['pairs'])} seeds)" if judged["pairs"] else "Welch",
                                   f"{sum(float(r['tokens_per_s']) for r in rows) / len(rows):.0f}",
-                                  f"{tps_v['diff']:+.0f}", f"{tps_v['p']:.3g}", tps_v["verdict"]])
+                                  f"{tps_v['diff']:+.0f}", "" if "ratio" in tps_v else f"{tps_v['p']:.3g}",
+                                  tps_v["verdict"]])
         if spec["ablation"]:
             title = (f"Ablation of {spec['config']}: the full system (B) against it without each component (A); "
                      f"Δ = full - without, negative val_bpb = the component helps; keep = the component earns its place")

@@ -289,7 +289,13 @@ def test_verdicts_pair_matching_seeds_and_never_mix_clocks(capsys):
         ledger.print_verdict(a + calibrated, "ra", "rb")
     both = a + rows_of("ra", [1, 2], [1.4, 1.5], clock="calibrated", calibration="c1") + b + calibrated
     ledger.print_verdict(both, "ra", "rb")  # calibrated preferred when both arms ran under it
-    assert "timebase: calibrated c1 (also in common: wall (machine not recorded)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "timebase: calibrated c1 (also in common: wall (machine not recorded)" in out
+    # Under it tokens/s are constants of the calibration: their ratio is stated, no t-test of constants.
+    ratio = ledger.judge(both[3:5], calibrated)["tokens_per_s"]
+    assert ratio["ratio"] == pytest.approx(100.5 / 100.5) and ratio["test"] == "calibrated cost ratio"
+    tokens = out[out.index("tokens_per_s  A"):out.index("by the calibration")]
+    assert "x1.000 by the calibration" in out and "nan" not in tokens
     ledger.print_verdict(both, "ra", "rb", "wall (machine not recorded)")
     assert "seeds 1, 2, 3" in capsys.readouterr().out
 
