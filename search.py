@@ -52,9 +52,7 @@ checkpoint; one that had finished is told from its row. Output, in sweeps/<name>
 import dataclasses
 import difflib
 import hashlib
-import itertools
 import json
-import math
 import os
 import random
 import signal
@@ -66,7 +64,6 @@ from pathlib import Path
 
 import optuna
 
-import ledger
 import locks
 import sweep
 from config import ConfigError, flatten, load_config
@@ -281,7 +278,7 @@ class Worker:
                                          direction="minimize", load_if_exists=True)
         self.study.set_user_attr("machine", self.base.here)
         self.running = {}  # trial number -> dict(trial, child, lock, variant, sweep, start, points, reported)
-        self.stop_signal, self.walls, self.started = None, [], time.time()
+        self.stop_signal, self.walls = None, []
 
     def sweep_for(self, variant, overrides) -> sweep.Sweep:
         """A sweep.Sweep of the base config and this trial: its command, rows, checkpoint, lock, calibration."""
@@ -440,13 +437,13 @@ class Worker:
         """Tell Optuna the trial's result, from its ledger row."""
         record = self.running.pop(number)
         trial, runner, variant, child = record["trial"], record["sweep"], record["variant"], record["child"]
-        record["lock"].release()
         seed = runner.configs["base"].run.seed
         rows = [r for r in runner.rows(variant, ("ok", "diverged", "pruned", "failed", "interrupted"))
                 if int(r["seed"]) == seed]
         row = rows[-1] if rows else None
         status = row["status"] if row else "failed"
         if status == "interrupted" or (self.stop_signal is not None and not row):
+            record["lock"].release()
             return None  # stays RUNNING: the same command resumes it
         self.walls.append(time.time() - record["start"])
         trial.set_user_attr("outcome", status)
@@ -462,6 +459,7 @@ class Worker:
             trial.set_user_attr("error", row["notes"][-1000:] if row else f"exit {child.returncode}, no ledger row")
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
         runner.checkpoint(variant, seed).unlink(missing_ok=True)
+        record["lock"].release()  # only once told: until then no other worker may take it over
         return status, row
 
     def progress(self, number, params, status, row, pruning):
