@@ -51,6 +51,7 @@ checkpoint; one that had finished is told from its row. Output, in sweeps/<name>
 """
 import dataclasses
 import difflib
+import fcntl
 import hashlib
 import json
 import os
@@ -64,6 +65,8 @@ from pathlib import Path
 
 import optuna
 
+import clock
+import ledger
 import locks
 import sweep
 from config import ConfigError, flatten, load_config
@@ -264,28 +267,25 @@ class Worker:
             journal = Path(storage or self.out / "study.journal")
             storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
         self.study_name = f"{self.name}-{self.mhash}"
-        size = 0
-        try:
-            size = len(optuna.load_study(study_name=self.study_name, storage=storage).trials)
-        except KeyError:
-            pass
-        # Seeded by the search's seed, the study's size and the pid: a resumed or second worker
-        # never replays another's draws (Optuna's random start-up trials come from this seed).
-        sampler = optuna.samplers.TPESampler(seed=hash((self.s["seed"], size, os.getpid())) % 2**31, constant_liar=True)
         pruner = (optuna.pruners.PercentilePruner(self.s["prune"]["keep"] * 100, n_startup_trials=self.s["prune"]["after"])
                   if self.s["prune"] else optuna.pruners.NopPruner())
-        self.study = optuna.create_study(study_name=self.study_name, storage=storage, sampler=sampler, pruner=pruner,
+        self.study = optuna.create_study(study_name=self.study_name, storage=storage, pruner=pruner,
                                          direction="minimize", load_if_exists=True)
+        # Seeded by the search's seed, the study's size and the pid: a resumed or second worker
+        # never replays another's draws (Optuna's random start-up trials come from this seed).
+        seed = hash((self.s["seed"], len(self.study.trials), os.getpid())) % 2**31
+        self.study.sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True)
         self.study.set_user_attr("machine", self.base.here)
         self.running = {}  # trial number -> dict(trial, child, lock, variant, sweep, start, points, reported)
         self.stop_signal, self.walls = None, []
 
+    def job(self, variant, overrides) -> dict:
+        """trial_sweep's arguments for this trial (JSON too: the calibration process gets them)."""
+        return dict(name=self.name, config=self.spec["config"], overrides=common_overrides(self.spec), out=str(self.out),
+                    variant=variant, trial=overrides, extra=self.extra, jobs=self.jobs, rounds=self.s["rounds"])
+
     def sweep_for(self, variant, overrides) -> sweep.Sweep:
-        """A sweep.Sweep of the base config and this trial: its command, rows, checkpoint, lock, calibration."""
-        spec = dict(name=self.name, config=self.spec["config"], seeds=[0], overrides=common_overrides(self.spec),
-                    baseline="base", variants={"base": [], variant: overrides}, variant_configs={},
-                    out=self.out, ablation=False, clock="calibrated")
-        return sweep.Sweep(spec, self.extra, nproc=1, jobs=self.jobs, rounds=self.s["rounds"])
+        return trial_sweep(**self.job(variant, overrides))
 
     def variant(self, number):
         return f"{self.mhash}-t{number:03d}"
@@ -356,13 +356,11 @@ class Worker:
         """The trial's lacking stages, in a process of its own, beside this worker's running trials."""
         number = trial.number
         calibration = runner.calibration
-        if all(key in (sweep.clock.read(calibration)["stages"] if calibration.is_file() else {})
+        if all(key in (clock.read(calibration)["stages"] if calibration.is_file() else {})
                for key in runner.stage_keys()):
             return
         variant = self.variant(number)
-        job = dict(name=self.name, config=self.spec["config"], overrides=common_overrides(self.spec), out=str(self.out),
-                   rounds=self.s["rounds"], extra=self.extra, jobs=self.jobs, variant=variant,
-                   trial=runner.spec["variants"][variant])
+        job = self.job(variant, runner.spec["variants"][variant])
         beside = [r["variant"] for r in self.running.values() if r["child"] and r["child"].poll() is None]
         trial.set_user_attr("calibrated_beside", beside)
         start = time.time()
@@ -423,7 +421,7 @@ class Worker:
         while record["points"]:
             train_s, bpb = record["points"].pop(0)
             p = train_s / budget
-            for index, at in enumerate(prune["at"]):
+            for at in prune["at"]:
                 step = round(at * 1000)
                 if at - 1e-9 <= p < at + spacing / 2 and step not in record["reported"]:
                     record["reported"].add(step)
@@ -438,8 +436,7 @@ class Worker:
         record = self.running.pop(number)
         trial, runner, variant, child = record["trial"], record["sweep"], record["variant"], record["child"]
         seed = runner.configs["base"].run.seed
-        rows = [r for r in runner.rows(variant, ("ok", "diverged", "pruned", "failed", "interrupted"))
-                if int(r["seed"]) == seed]
+        rows = [r for r in runner.rows(variant, ledger.STATUSES) if int(r["seed"]) == seed]
         row = rows[-1] if rows else None
         status = row["status"] if row else "failed"
         if status == "interrupted" or (self.stop_signal is not None and not row):
@@ -475,7 +472,7 @@ class Worker:
               + f"; ends ~{time.strftime('%H:%M', time.gmtime(time.time() + left))} UTC", flush=True)
 
     def best(self):
-        done = [t for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
+        done = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
         return min(done, key=lambda t: t.value) if done else None
 
     def on_signal(self, signum, frame):
@@ -591,15 +588,18 @@ class Worker:
         return sweep.Sweep(spec, self.extra, nproc=1, jobs=self.jobs).run()
 
 
+def trial_sweep(name, config, overrides, out, variant, trial, extra, jobs, rounds) -> sweep.Sweep:
+    """A sweep.Sweep of the base config and one trial: its command, rows, checkpoint, lock, calibration."""
+    spec = dict(name=name, config=config, seeds=[0], overrides=overrides, baseline="base",
+                variants={"base": [], variant: trial}, variant_configs={}, out=Path(out), ablation=False,
+                clock="calibrated")
+    return sweep.Sweep(spec, extra, nproc=1, jobs=jobs, rounds=rounds)
+
+
 def calibrate_main(arg: str) -> int:
     """`python search.py calibrate JOB`: a trial's lacking stages into the search's calibration."""
-    import fcntl
-    job = json.loads(arg)
-    spec = dict(name=job["name"], config=job["config"], seeds=[0], overrides=job["overrides"], baseline="base",
-                variants={"base": [], job["variant"]: job["trial"]}, variant_configs={}, out=Path(job["out"]),
-                ablation=False, clock="calibrated")
     try:
-        runner = sweep.Sweep(spec, job["extra"], nproc=1, jobs=job["jobs"], rounds=job["rounds"])
+        runner = trial_sweep(**json.loads(arg))
         runner.calibration.parent.mkdir(parents=True, exist_ok=True)
         with open(runner.calibration.with_suffix(".lock"), "w") as lock:  # one writer of the file at a time
             fcntl.flock(lock, fcntl.LOCK_EX)

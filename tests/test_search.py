@@ -1,7 +1,6 @@
 """The recipe search (search.py, `python sweep.py SEARCH.yaml`): bad input named before any trial,
 invalid draws not counted, pruned runs that are never results, kill -9 and resume, two workers on
 one study, one study per machine kind. Tiny smoke trials; they stop by the calibrated clock."""
-import os
 import signal
 import subprocess
 import sys
@@ -16,7 +15,8 @@ import clock
 import ledger
 import search
 import sweep
-import train
+from test_clock import args as extra
+from test_faults import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"
@@ -32,11 +32,6 @@ def write_search(tmp_path, space=None, overrides=(), **search_keys):
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-def extra(tmp_path):
-    return [f"data.path={ROOT / 'data' / 'builtin'}", f"ledger.path={tmp_path / 'ledger.csv'}",
-            f"run.out_dir={tmp_path / 'runs'}"]
 
 
 def command(tmp_path, path, *more):
@@ -116,10 +111,7 @@ def test_sigusr1_prunes_a_run_into_a_row_no_verdict_reads(tmp_path, builtin_1024
             "eval.every_seconds=1e-9", "eval.curve_tokens=64"]
     with open(out_log, "w") as out:
         child = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while "\nstep:3 " not in out_log.read_text():
-        assert child.poll() is None and time.monotonic() < deadline, out_log.read_text()[-2000:]
-        time.sleep(0.1)
+    wait_for(lambda: "\nstep:3 " in out_log.read_text(), child)
     child.send_signal(signal.SIGUSR1)
     assert child.wait(timeout=300) == 0, out_log.read_text()[-2000:]
     (row,) = ledger.read(tmp_path / "ledger.csv")
@@ -151,13 +143,6 @@ def test_pruning_stops_a_trial_worse_than_those_before_at_the_same_point(tmp_pat
     assert good["trial"].study.trials[2].intermediate_values == {250: 0.9}
 
 
-def wait_for(condition, proc, what):
-    deadline = time.monotonic() + 600
-    while not condition():
-        assert proc.poll() is None and time.monotonic() < deadline, f"exit {proc.poll()} before {what}"
-        time.sleep(0.1)
-
-
 def test_kill_9_then_the_same_command_loses_repeats_and_double_counts_no_trial(tmp_path, builtin_1024):
     """kill -9 of the search while its second trial trains: the trial's run checkpoints and writes an
     interrupted row (its parent's death sends SIGTERM), and stays RUNNING in the study. The same
@@ -168,7 +153,7 @@ def test_kill_9_then_the_same_command_loses_repeats_and_double_counts_no_trial(t
         first = subprocess.Popen(command(tmp_path, path), cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
     logs = tmp_path / "tiny" / "trials"
     second = lambda: next(iter(logs.glob("*-t001.log")), None) if logs.is_dir() else None  # noqa: E731
-    wait_for(lambda: second() and "\nstep:5 " in second().read_text(), first, "trial 1's step 5")
+    wait_for(lambda: second() and "\nstep:5 " in second().read_text(), first)
     first.kill()
     first.wait()
     deadline = time.monotonic() + 300
