@@ -34,9 +34,11 @@ a result.
 Costs: before a trial runs, the stages it lacks in the search's calibration (sweeps/<name>/
 calibration-<machine>.json, measured on the trials' threads) are measured against the base config's
 first stage, interleaved as clock.py does, in a process of their own (a fresh torch.compile cache,
-torch's on-disk caches warm), while this worker's other trials run on (each trial records which:
-`calibrated_beside`). Whether a ratio measured beside a trial agrees with one measured alone is
-measured in docs/experiments.md ("The recipe search"): 5-15 % apart on 3 shapes at 4 rounds.
+torch's on-disk caches warm). Ratios measured beside a running trial were 5-15 % off those measured
+alone on 3 shapes (docs/experiments.md, "The recipe search"), so the calibration stops this worker's
+running trials (SIGSTOP, then SIGCONT however it ends; each trial records which it paused:
+`paused_for_calibration`): under the calibrated clock a pause changes none of their steps. Run one
+worker per machine (with --jobs N): a second worker's trials would run on beside the first's calibrations.
 
 The study lives in an Optuna storage: by default the journal file sweeps/<name>/study.journal; any
 URL Optuna takes (postgresql://, mysql://, or a journal file on a shared file system) with --storage.
@@ -277,7 +279,7 @@ class Worker:
         self.study.sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True)
         self.study.set_user_attr("machine", self.base.here)
         self.running = {}  # trial number -> dict(trial, child, lock, variant, sweep, start, points, reported)
-        self.stop_signal, self.walls = None, []
+        self.stop_signal, self.walls, self.calibrating = None, [], None
 
     def job(self, variant, overrides) -> dict:
         """trial_sweep's arguments for this trial (JSON too: the calibration process gets them)."""
@@ -306,8 +308,10 @@ class Worker:
             runner = self.sweep_for(self.variant(t.number), t.user_attrs["overrides"])
             lock = runner.take(self.variant(t.number), runner.configs["base"].run.seed)
             if lock:
+                how = ("resumes from its checkpoint" if runner.checkpoint(self.variant(t.number), runner.configs["base"].run.seed).exists()
+                       else "re-run from its start: no checkpoint of it here")
                 print(f"search:{self.name} trial {t.number} was left running by pid {t.user_attrs.get('pid')}, which is "
-                      f"gone: taken over", flush=True)
+                      f"gone: taken over; it {how}", flush=True)
                 trial = optuna.Trial(self.study, t._trial_id)
                 trial.set_user_attr("pid", os.getpid())
                 return trial, runner, lock, set(t.intermediate_values)
@@ -353,27 +357,31 @@ class Worker:
         print(f"search:{self.name} trial {trial.number} invalid, not counted: {error[:300]}", flush=True)
 
     def calibrate(self, runner, trial):
-        """The trial's lacking stages, in a process of its own, beside this worker's running trials."""
+        """The trial's lacking stages, in a process of its own, which pauses this worker's running
+        trials while it measures (SIGSTOP: under the calibrated clock a pause changes none of their steps)."""
         number = trial.number
         calibration = runner.calibration
         if all(key in (clock.read(calibration)["stages"] if calibration.is_file() else {})
                for key in runner.stage_keys()):
             return
         variant = self.variant(number)
-        job = self.job(variant, runner.spec["variants"][variant])
-        beside = [r["variant"] for r in self.running.values() if r["child"] and r["child"].poll() is None]
-        trial.set_user_attr("calibrated_beside", beside)
+        paused = {r["variant"]: r["child"].pid for r in self.running.values() if r["child"] and r["child"].poll() is None}
+        trial.set_user_attr("paused_for_calibration", sorted(paused))
+        job = dict(self.job(variant, runner.spec["variants"][variant]), paused=list(paused.values()))
         start = time.time()
-        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "calibrate", json.dumps(job)],
-                              capture_output=True, text=True)
+        self.calibrating = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "calibrate", json.dumps(job)],
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                            preexec_fn=sweep.dies_with(os.getpid()))
+        stdout, stderr = self.calibrating.communicate()
+        returncode, self.calibrating = self.calibrating.returncode, None
         trial.set_user_attr("calibration_s", round(time.time() - start, 1))
         log = self.out / "trials" / f"{variant}.calibration.log"
         log.parent.mkdir(exist_ok=True)
-        log.write_text(done.stdout + done.stderr)
-        if done.returncode == 2:
-            raise ConfigError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "calibration refused it")
-        if done.returncode:
-            raise RuntimeError(f"search {self.name}: the calibration of trial {number} failed (exit {done.returncode}); "
+        log.write_text(stdout + stderr)
+        if returncode == 2:
+            raise ConfigError(stderr.strip().splitlines()[-1] if stderr.strip() else "calibration refused it")
+        if returncode:
+            raise RuntimeError(f"search {self.name}: the calibration of trial {number} failed (exit {returncode}); "
                                f"see {log}")
 
     def start(self, trial, runner, lock, reported):
@@ -477,6 +485,8 @@ class Worker:
 
     def on_signal(self, signum, frame):
         self.stop_signal = signum
+        if self.calibrating:  # it continues the trials it paused, which then save and stop
+            self.calibrating.send_signal(signum)
         for record in self.running.values():
             if record["child"] and record["child"].poll() is None:
                 record["child"].send_signal(signum)
@@ -597,17 +607,34 @@ def trial_sweep(name, config, overrides, out, variant, trial, extra, jobs, round
 
 
 def calibrate_main(arg: str) -> int:
-    """`python search.py calibrate JOB`: a trial's lacking stages into the search's calibration."""
+    """`python search.py calibrate JOB`: a trial's lacking stages into the search's calibration, measured
+    with the worker's running trials (JOB's `paused` pids) stopped, so that it runs alone. They are
+    continued however this ends: an error, SIGTERM, or the worker's death (its SIGTERM comes here)."""
+    job = json.loads(arg)
+    paused = job.pop("paused", [])
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        runner = trial_sweep(**json.loads(arg))
+        runner = trial_sweep(**job)
         runner.calibration.parent.mkdir(parents=True, exist_ok=True)
         with open(runner.calibration.with_suffix(".lock"), "w") as lock:  # one writer of the file at a time
             fcntl.flock(lock, fcntl.LOCK_EX)
+            for pid in paused:
+                signal_pid(pid, signal.SIGSTOP)
             runner.calibrate()
     except (ConfigError, sweep.SweepError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        for pid in paused:
+            signal_pid(pid, signal.SIGCONT)
     return 0
+
+
+def signal_pid(pid, signum):
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:  # it ended meanwhile
+        pass
 
 
 if __name__ == "__main__":

@@ -206,3 +206,36 @@ def test_another_machine_kind_gets_a_study_of_its_own(tmp_path, builtin_1024, mo
     assert there.study_name != here.study_name and there.study_name.startswith("tiny-")
     assert there.study.trials == [] and len(here.study.trials) == 1 and here.study.trials[0].value == 1.5
     assert there.base.calibration != here.base.calibration  # and its own calibration file
+
+
+def state(pid):
+    """The process's state letter in /proc (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.parametrize("ends", ["measured", "killed"])
+def test_a_calibration_pauses_the_running_trials_and_continues_them_however_it_ends(tmp_path, monkeypatch, ends):
+    trial = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    seen = []
+
+    class Runner:  # stands in for trial_sweep's Sweep: its calibrate() looks at the trial
+        calibration = tmp_path / "calibration.json"
+
+        def calibrate(self):
+            seen.append(state(trial.pid))
+            if ends == "killed":
+                signal.raise_signal(signal.SIGTERM)  # as the worker's death or its stop would send
+
+    monkeypatch.setattr(search, "trial_sweep", lambda **job: Runner())
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        if ends == "killed":
+            with pytest.raises(SystemExit):
+                search.calibrate_main('{"paused": [%d]}' % trial.pid)
+        else:
+            assert search.calibrate_main('{"paused": [%d]}' % trial.pid) == 0
+        assert seen == ["T"] and state(trial.pid) in "SR"  # stopped while it measured, continued after
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        trial.kill()
+        trial.wait()
