@@ -309,7 +309,7 @@ class Worker:
             lock = runner.take(self.variant(t.number), runner.configs["base"].run.seed)
             if lock:
                 how = ("resumes from its checkpoint" if runner.checkpoint(self.variant(t.number), runner.configs["base"].run.seed).exists()
-                       else "re-run from its start: no checkpoint of it here")
+                       else "runs again from its start: no checkpoint of it here")
                 print(f"search:{self.name} trial {t.number} was left running by pid {t.user_attrs.get('pid')}, which is "
                       f"gone: taken over; it {how}", flush=True)
                 trial = optuna.Trial(self.study, t._trial_id)

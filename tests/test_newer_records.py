@@ -463,3 +463,19 @@ def test_cpu_yaml_with_every_item_on_trains(tmp_path, builtin_1024, backend):
         assert int(row["xla_compiles"]) == XLA_GRAPHS
     else:
         assert note(row, "compiled_graphs") == "2"
+
+
+def test_muon_batches_same_shape_matrices_and_updates_each_as_on_its_own():
+    """A tall matrix joins its transpose's batch; each parameter's step equals its own Newton-Schulz."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(16, 64), (64, 16), (16, 16), (16, 64), (8, 16), (16, 16)]
+    w0 = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    params = [torch.nn.Parameter(w.clone()) for w in w0]
+    for p, grad in zip(params, grads):
+        p.grad = grad.clone()
+    optim.Muon(params, lr=0.02, momentum=0.9, ns_steps=5, weight_decay=0.1).step()
+    for p, w, grad in zip(params, w0, grads):
+        scale = max(1.0, w.size(0) / w.size(1)) ** 0.5
+        want = w * (1 - 0.02 * 0.1) - 0.02 * scale * optim.newton_schulz(grad * 1.9, 5)
+        torch.testing.assert_close(p.detach(), want, rtol=0, atol=1e-6)
