@@ -54,7 +54,7 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
-            same_shape = {}  # sorted shape -> [(parameter, its update, wide: the update or its transpose)]
+            same_shape = {}  # sorted shape -> [(parameter, tall, its update or, if tall, its transpose)]
             for p in group["params"]:
                 if p.grad is None:
                     continue
