@@ -1,11 +1,13 @@
 """The prepared GPU check: what only an NVIDIA GPU can verify, in about 8 minutes, in one report.
 
-    python -m tools.gpu_check [--out gpu_check] [--minutes 8] [--train-seconds 150]
+    python -m tools.gpu_check [--out gpu_check] [--minutes 10] [--train-seconds 90] [--only STEP ...]
 
 Runs STEPS in order, each a subprocess from the repository root with its own timeout (a failure or a
 hang does not stop the others), all within --minutes: (1) train.py, configs/base.yaml on CUDA for
 --train-seconds; (2) tests/test_kernels.py with the Triton kernels compiled, bf16 included; (3)
-python -m tools.kernel_bench on CUDA; (4) a 60 s device.compile=true run. Both runs append to ledger.csv.
+python -m tools.kernel_bench on CUDA; (4) a 60 s device.compile=true run. Both runs append to ledger.csv
+and profile one step (the op profile of five took minutes on an H200, 2026-12-04). --only reruns the
+steps named, e.g. those that failed.
 Writes, after every step: <out>/report.md (UTC date, GPU, versions; each step's command, rc, seconds,
 figures, output tail; the bench table verbatim), <out>/bench.txt, <out>/<step>.log (whole outputs),
 <out>/ledger_rows.csv (the rows the runs appended, to copy back). Exit 0 if every step passed, else 1;
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN_SECONDS, COMPILE_SECONDS = 150, 60
+TRAIN_SECONDS, COMPILE_SECONDS = 90, 60
 GRACE_S = 20  # kept back from --minutes to stop an overrunning step (SIGTERM, SIGKILL 10 s later) and report
 NO_CUDA = ("gpu_check: no CUDA device (torch.cuda.is_available() is False); nothing to check. "
            "Run it on a machine with an NVIDIA GPU.")
@@ -39,22 +41,23 @@ TAIL = 20  # output lines per step in the report
 
 def steps(train_seconds=TRAIN_SECONDS):
     """-> [(name, argv, timeout_s)] in run order. A run's timeout is its budget plus start-up, first
-    step, profiled steps, evaluation and checkpoint (and, compiled, inductor's cold compiles). The
-    notes are YAML-quoted: train.py parses an override's value as YAML, and `a: b` would be a mapping."""
+    step, the profiled step, evaluation and checkpoint (and, compiled, inductor's cold compiles: 41 s
+    for the train graph on an H200, 2026-12-04). The notes are YAML-quoted: train.py parses an
+    override's value as YAML, and `a: b` would be a mapping."""
     py = sys.executable
     return [
         ("train", [py, "train.py", "--config", "configs/base.yaml", f"budget.seconds={train_seconds}",
-                   "device.type=cuda", "ledger.notes='gpu_check: CUDA path'", "run.name=gpu_check"],
-         train_seconds + 40),
+                   "device.type=cuda", "run.profile_steps=1", "ledger.notes='gpu_check: CUDA path'",
+                   "run.name=gpu_check"], train_seconds + 90),
         ("kernel_tests", [py, "-m", "pytest", "-q", "-rs", "tests/test_kernels.py"], 90),
         ("bench", [py, "-m", "tools.kernel_bench", "--config", "configs/base.yaml", "device.type=cuda"], 40),
         ("compile", [py, "train.py", "--config", "configs/base.yaml", f"budget.seconds={COMPILE_SECONDS}",
-                     "device.type=cuda", "device.compile=true", "run.name=gpu_check_compile",
-                     "ledger.notes='gpu_check: device.compile on CUDA'"], COMPILE_SECONDS + 80),
+                     "device.type=cuda", "device.compile=true", "run.profile_steps=1", "run.name=gpu_check_compile",
+                     "ledger.notes='gpu_check: device.compile on CUDA'"], COMPILE_SECONDS + 150),
     ]
 
 
-STEPS = steps()  # timeouts 190 + 90 + 40 + 140 = 460 s; with GRACE_S, 480 s = 8 minutes
+STEPS = steps()  # timeouts 180 + 90 + 40 + 210 = 520 s; with GRACE_S, 540 s = 9 minutes
 
 
 def last_line(path):
@@ -94,7 +97,7 @@ def run_step(name, argv, timeout, log_path):
 
 def write_outputs(out, facts, results, new_rows, columns):
     lines = ["# gpu_check report", ""] + [f"- {k}: {v}" for k, v in facts.items()]
-    lines += [f"- steps passed: {sum(r['ok'] for r in results)} of {len(STEPS)}", ""]
+    lines += [f"- steps passed: {sum(r['ok'] for r in results)} of {len(results)}", ""]
     for r in results:
         lines += [f"## {r['i']}. {r['name']}: {'passed' if r['ok'] else 'FAILED'}", "", f"    {r['command']}", "",
                   f"rc {r['rc']}, {r['seconds']:.1f} s, timeout {r['timeout']} s (rc 124: stopped at the timeout)", ""]
@@ -114,8 +117,9 @@ def write_outputs(out, facts, results, new_rows, columns):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "gpu_check"), help="report directory (created)")
-    parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock limit of the whole check")
+    parser.add_argument("--minutes", type=float, default=10.0, help="wall-clock limit of the whole check")
     parser.add_argument("--train-seconds", type=int, default=TRAIN_SECONDS, help="budget.seconds of step 1")
+    parser.add_argument("--only", nargs="+", choices=[name for name, *_ in STEPS], help="run only these steps")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
@@ -136,7 +140,8 @@ def main(argv=None):
                  ROOT / "data/builtin/sp1024/meta.json").exists() else "absent: step 1 prepares it first (minutes)"}
     print(" ".join(f"{k}: {v};" for k, v in facts.items()), flush=True)
     before = {row["run_id"] for row in ledger.read(ledger.LEDGER)}
-    results, new_rows, plan = [], [], steps(args.train_seconds)
+    results, new_rows = [], []
+    plan = [step for step in steps(args.train_seconds) if not args.only or step[0] in args.only]
     for i, (name, argv_, timeout) in enumerate(plan, 1):
         timeout = min(timeout, int(deadline - time.monotonic()))
         shown = shlex.join(["python", *argv_[1:]])
