@@ -753,7 +753,7 @@ class Trainer:
             agreement = torch.cat(self.model.routing_agreement())
             self.backend.all_reduce_([agreement], mean=False)
             agree, tiles = agreement.tolist()
-            self.routing_agreement = agree / tiles
+            self.routing_agreement = agree / tiles if tiles else None  # no routed layer active in this stage
         self.swap_ema()
         self.model.train()
         (nll,), (n_bytes, n_tokens) = nll.tolist(), counts.tolist()

@@ -123,6 +123,20 @@ COPY_STAGES = ("model.n_layer=4", "schedule.grow_init=copy",
                "schedule.stages=[{at: 0, depth: 1}, {at: 0.3, depth: 2}, {at: 0.6, depth: 4}]")
 
 
+def test_evaluation_before_the_routed_layer_is_active(tmp_path, builtin_1024):
+    """A curve point taken while the stage's depth leaves every routed layer out counts no tiles: it
+    has no routing agreement (it divided by zero before), and the one after growth has one."""
+    cfg = load_config(SMOKE, smoke_args(tmp_path, "mod.granularity=block", "mod.layers=[1]", "mod.block_size=16",
+                                        "schedule.stages=[{at: 0, depth: 1}, {at: 0.5, depth: 2}]")[2:])
+    trainer = train.Trainer(cfg)
+    trainer.evaluate(max_tokens=0, max_batches=1)
+    assert trainer.routing_agreement is None
+    trainer.enter_stage(1)
+    trainer.evaluate(max_tokens=0, max_batches=1)
+    assert 0 <= trainer.routing_agreement <= 1
+    trainer.loader.close()
+
+
 def block_state(trainer, i):
     """Block i's parameters and their optimizer state, as plain tensors keyed by name."""
     out = {}
