@@ -314,6 +314,9 @@ class Worker:
                       f"gone: taken over; it {how}", flush=True)
                 trial = optuna.Trial(self.study, t._trial_id)
                 trial.set_user_attr("pid", os.getpid())
+                if not self.calibrate(runner, trial):  # cut off in its calibration, it has none yet
+                    lock.release()
+                    return None
                 return trial, runner, lock, set(t.intermediate_values)
         return None
 
@@ -321,6 +324,8 @@ class Worker:
         """-> (trial, its Sweep, its lock, the steps it reported) to run next, or None when the study has its trials."""
         if taken := self.orphan():
             return taken
+        if self.stop_signal is not None:  # stopped while it calibrated a trial it took over
+            return None
         for _ in range(1000):  # invalid draws do not count
             if len(self.counted()) >= self.s["trials"]:
                 return None
@@ -342,11 +347,14 @@ class Worker:
             lock = runner.take(self.variant(trial.number), runner.configs["base"].run.seed)
             trial.set_user_attr("overrides", overrides)
             try:
-                self.calibrate(runner, trial)
+                calibrated = self.calibrate(runner, trial)
             except ConfigError as e:
                 lock.release()
                 self.invalid(trial, str(e))
                 continue
+            if not calibrated:
+                lock.release()
+                return None
             return trial, runner, lock, set()
         raise SearchError(f"search {self.name}: 1000 draws in a row did not validate; narrow the space")
 
@@ -356,14 +364,16 @@ class Worker:
         self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
         print(f"search:{self.name} trial {trial.number} invalid, not counted: {error[:300]}", flush=True)
 
-    def calibrate(self, runner, trial):
+    def calibrate(self, runner, trial) -> bool:
         """The trial's lacking stages, in a process of its own, which pauses this worker's running
-        trials while it measures (SIGSTOP: under the calibrated clock a pause changes none of their steps)."""
+        trials while it measures (SIGSTOP: under the calibrated clock a pause changes none of their steps).
+        -> False when the worker was stopped meanwhile: the trial stays RUNNING, and the next worker
+        takes it over and calibrates it."""
         number = trial.number
         calibration = runner.calibration
         if all(key in (clock.read(calibration)["stages"] if calibration.is_file() else {})
                for key in runner.stage_keys()):
-            return
+            return True
         variant = self.variant(number)
         paused = {r["variant"]: r["child"].pid for r in self.running.values() if r["child"] and r["child"].poll() is None}
         trial.set_user_attr("paused_for_calibration", sorted(paused))
@@ -378,11 +388,14 @@ class Worker:
         log = self.out / "trials" / f"{variant}.calibration.log"
         log.parent.mkdir(exist_ok=True)
         log.write_text(stdout + stderr)
+        if returncode and self.stop_signal is not None:
+            return False
         if returncode == 2:
             raise ConfigError(stderr.strip().splitlines()[-1] if stderr.strip() else "calibration refused it")
         if returncode:
             raise RuntimeError(f"search {self.name}: the calibration of trial {number} failed (exit {returncode}); "
                                f"see {log}")
+        return True
 
     def start(self, trial, runner, lock, reported):
         """Its train.py, or, for a trial taken over whose run had ended, its row told at once."""

@@ -534,4 +534,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import sweep  # the module search.py imports: its SweepError is the one main() catches, not __main__'s copy
+    sys.exit(sweep.main())

@@ -66,6 +66,16 @@ def test_bad_input_is_named_before_any_trial(tmp_path, builtin_1024, capsys, spa
     assert message in err and not (tmp_path / "tiny").exists(), err
 
 
+def test_bad_input_on_the_command_line_is_exit_2_and_one_line(tmp_path, builtin_1024):
+    """From the shell (sweep.py as __main__, which search.py imports again as `sweep`) a bad search
+    file is the same named error, not a traceback."""
+    path = write_search(tmp_path, space={"model.mlp_mult": {"choice": [3]}})
+    proc = subprocess.run(command(tmp_path, path), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (f"error: {path}: search.space.model.mlp_mult.choice: expected at "
+                                                     f"least two different values, got [3]")
+
+
 def test_a_search_needs_the_calibrated_clock(tmp_path, builtin_1024, capsys):
     path = write_search(tmp_path)
     path.write_text(path.read_text().replace("clock: calibrated", "clock: wall"))
@@ -172,6 +182,33 @@ def test_kill_9_then_the_same_command_loses_repeats_and_double_counts_no_trial(t
     assert sorted(by_variant.values()) == [["interrupted", "ok"], ["ok"], ["ok"]], by_variant
     resumed = [r for r in rows if r["status"] == "ok" and "resumed from" in r["notes"]]
     assert len(resumed) == 1 and resumed[0]["variant"].endswith("-t001")
+
+
+def children(pid):
+    """The command lines of a process's children."""
+    listed = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode() for child in listed]
+
+
+def test_sigterm_while_a_trial_calibrates_then_the_same_command_calibrates_and_runs_it(tmp_path, builtin_1024):
+    """SIGTERM of the search while it calibrates its first trial's shape: it stops as a stop does (exit
+    143, no traceback), the trial left RUNNING; the same command takes it over, calibrates it first
+    (train.py would refuse a stage without a cost) and runs it."""
+    path = write_search(tmp_path, space={"model.mlp_mult": {"choice": [3, 4]}}, trials=1)
+    log = tmp_path / "first.log"
+    with open(log, "w") as to_log:
+        first = subprocess.Popen(command(tmp_path, path), cwd=tmp_path, stdout=to_log, stderr=subprocess.STDOUT)
+    wait_for(lambda: any(" calibrate " in c for c in children(first.pid)), first)
+    first.send_signal(signal.SIGTERM)
+    first.wait(timeout=120)
+    out = log.read_text()
+    assert first.returncode == 128 + signal.SIGTERM and "Traceback" not in out, out
+    assert "stopped by signal 15" in out and [t.state for t in trials(tmp_path)] == [optuna.trial.TrialState.RUNNING]
+    rerun = subprocess.run(command(tmp_path, path), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "trial 0 was left running by pid" in rerun.stdout
+    assert [t.user_attrs["outcome"] for t in trials(tmp_path)] == ["ok"], rerun.stdout
+    assert [r["status"] for r in ledger.read(tmp_path / "ledger.csv")] == ["ok"]
 
 
 def test_two_workers_share_one_study_and_split_its_trials(tmp_path, builtin_1024):
