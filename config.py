@@ -535,6 +535,15 @@ def stage_rows(cfg: Config, stage: Stage) -> float:
     return cfg.optim.micro_batch * cfg.data.seq_len * stage.batch_tokens / (cfg.optim.batch_tokens * stage.seq_len)
 
 
+def accum_steps(cfg: Config, world_size: int) -> int:
+    """Micro-batches per optimizer step on each rank; the global batch must split evenly over the ranks."""
+    rank_tokens = cfg.optim.micro_batch * cfg.data.seq_len * world_size
+    if cfg.optim.batch_tokens % rank_tokens:
+        raise ConfigError(f"optim.batch_tokens ({cfg.optim.batch_tokens}) must be a multiple of optim.micro_batch "
+                          f"* data.seq_len * WORLD_SIZE ({cfg.optim.micro_batch} * {cfg.data.seq_len} * {world_size})")
+    return cfg.optim.batch_tokens // rank_tokens
+
+
 def depth_order(n_layer: int, policy: str) -> list:
     """The order in which blocks become active as depth grows: append (at the end) or interleave
     (even blocks first, then the odd ones between them)."""

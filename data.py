@@ -346,6 +346,29 @@ def prepare_builtin(out_dir, vocab_size, val_fraction, progress=True):
     return prepare(documents, out_dir, vocab_size, val_fraction, progress=progress)
 
 
+def open_data(source, path, tokenizer, vocab_size, val_fraction):
+    """A run's data (keys data.*): the built-in corpus (prepared on first use, in path/sp<vocab_size>) or
+    shards as they are -> (train files, val files, tokenizer path, corpus fingerprint)."""
+    if source == "builtin":
+        root = Path(path) / f"sp{vocab_size}"
+        meta = prepare_builtin(root, vocab_size, val_fraction)
+        tokenizer, fingerprint = meta["tokenizer"], f"{meta['corpus_sha256'][:12]}-v{meta['prepare_version']}"
+    else:
+        root = Path(path)
+        if not Path(tokenizer).is_file():
+            raise DataError(f"data.tokenizer={tokenizer}: no such file, expected the shards' sentencepiece .model")
+    train_files, val_files = split_files(root, "train"), split_files(root, "val")
+    if not train_files or not val_files:
+        raise DataError(f"{root}: expected fineweb_train_*.bin and fineweb_val_*.bin shards, found "
+                        f"{len(train_files)} train and {len(val_files)} val")
+    if source == "shards":  # hashing gigabytes of shards would delay every run: names, sizes, tokenizer
+        h = hashlib.sha256(Path(tokenizer).read_bytes())
+        for f in train_files + val_files:
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+        fingerprint = h.hexdigest()[:12]
+    return train_files, val_files, tokenizer, fingerprint
+
+
 # -----------------------------------------------------------------------------
 # loaders
 

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -63,6 +64,15 @@ def _csv_line(values):
     buffer = io.StringIO()
     csv.writer(buffer, lineterminator="\n").writerow(values)
     return buffer.getvalue()
+
+
+def git_state(root) -> tuple:
+    """(commit, dirty) of the repository at root, the code a run's row records."""
+    def git(*args):
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    # ledger.csv changes with every run; it does not make the code dirty.
+    return git("rev-parse", "--short=12", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!ledger.csv"))
 
 
 def append(path, row):

@@ -17,6 +17,7 @@ layers, block_size, capacity, aux_weight and recur.
 
 import functools
 import math
+from fractions import Fraction
 
 import torch
 import torch.nn as nn
@@ -180,6 +181,11 @@ def units_selected(capacity: float, n: int) -> int:
     """k = ceil(capacity * n), the static number of units (tiles, sequences) routed through. The
     product is rounded first so float error (0.3 * 10 = 3.0000000000000004) adds no unit."""
     return math.ceil(round(capacity * n, 9))
+
+
+def rotation_period(mod, capacity: float) -> int:
+    """Layer routing: micro-batches after which the rotation repeats (capacity a/P: P); 1 otherwise."""
+    return Fraction(capacity).limit_denominator(1000).denominator if mod.granularity == "layer" else 1
 
 
 class TileRouter(nn.Module):
@@ -619,3 +625,15 @@ def flops_per_token(cfg, seq_len: int, mod=None, layers=None, mlp_hidden=None, l
         matmul_params += (passes - 1) * (loop_layers * share * layer_params + (2 * C / tile_size(mod) if mor else 0))
         attention += (passes - 1) * loop_layers * share ** 2 * layer_attention
     return 3 * (2 * matmul_params + attention)
+
+
+def training_values(cfg, tokens: int) -> tuple:
+    """-> (parameters, activation values autograd keeps for `tokens` tokens), roughly: the blocks' matrices,
+    the embedding, head and tables; per token n_layer x (8 + 3 x mlp_mult) x n_embd (norm inputs, q/k/v, attention
+    output, residual, MLP hidden before and after its activation) and 4 x vocab_size (logits, softcap,
+    log-softmax, its gradient). What train.py's memory check counts."""
+    hidden, kv_dim = cfg.mlp_mult * cfg.n_embd, cfg.n_kv_head * (cfg.n_embd // cfg.n_head)
+    layer = 2 * cfg.n_embd * cfg.n_embd + 2 * cfg.n_embd * kv_dim + (3 if cfg.mlp == "swiglu" else 2) * cfg.n_embd * hidden
+    params = (cfg.n_layer * layer + (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.n_embd
+              + cfg.bigram_buckets * cfg.n_embd + (cfg.vocab_size * kv_dim if cfg.value_embed else 0))
+    return params, tokens * (cfg.n_layer * (8 + 3 * cfg.mlp_mult) * cfg.n_embd + 4 * cfg.vocab_size)

@@ -20,11 +20,9 @@ import resource
 import secrets
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -37,15 +35,10 @@ import data
 import kernels
 import kernels.profile
 import ledger
-from config import (BASE_CONFIG, ROOT, Config, ConfigError, DeviceConfig, ModConfig, build, depth_order, flatten,
+from config import (BASE_CONFIG, ROOT, Config, ConfigError, DeviceConfig, accum_steps, build, depth_order, flatten,
                     load_chain, load_config, merge, recipe, resolve_stages, stage_rows)
-from model import GPT, active_params, flops_per_token, param_count
+from model import GPT, TILED, active_params, flops_per_token, param_count, rotation_period, training_values
 from optim import lr_scale, make_optimizers, muon_momentum
-
-
-def rotation_period(mod: ModConfig, capacity: float) -> int:
-    """Layer routing: micro-batches after which the rotation repeats (capacity a/P: P); 1 otherwise."""
-    return Fraction(capacity).limit_denominator(1000).denominator if mod.granularity == "layer" else 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -61,6 +54,21 @@ PEAK_FLOPS = {
     ("H100", torch.bfloat16): 989e12, ("H100", torch.float32): 67e12,  # SXM; fp32 without TF32
     ("H200", torch.bfloat16): 989e12, ("H200", torch.float32): 67e12,
 }
+HBM_BYTES = {"trn2-lnc1": 96 * 2**30 // 8, "trn2-lnc2": 96 * 2**30 // 4}  # a trn2 chip's 96 GiB over its logical cores
+
+
+def peak_device(on_trainium: bool, accelerator: str) -> str:
+    """The PEAK_FLOPS device: trn2 at NEURON_LOGICAL_NC_CONFIG (default 2) on Trainium, an H100 or H200 by name, or ""."""
+    return (f"trn2-lnc{os.environ.get('NEURON_LOGICAL_NC_CONFIG', '2')}" if on_trainium else
+            next((n for n in ("H100", "H200") if n in accelerator), ""))
+
+
+def compute_dtype(cfg: DeviceConfig, kind: str, on_trainium: bool) -> torch.dtype:
+    """device.dtype; auto: bfloat16 where matmuls run natively in it (accelerators; CPUs with AVX512-BF16
+    or AMX), else float32: bfloat16 autocast ran 7.7x slower than float32 on an AVX2-only CPU (README)."""
+    native_bf16 = kind in ("cuda", "neuron") or on_trainium or kind == "cpu" and (
+        torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return (torch.bfloat16 if native_bf16 else torch.float32) if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
 
 
 class Backend:
@@ -102,15 +110,11 @@ class Backend:
         else:
             self.device = torch.device("cpu")
         # What a step's speed depends on besides the CPU (clock.machine): the accelerator, if any.
-        self.accelerator = (f"trn2-lnc{os.environ.get('NEURON_LOGICAL_NC_CONFIG', '2')}" if self.on_trainium else
+        self.accelerator = (peak_device(True, "") if self.on_trainium else
                             torch.cuda.get_device_name(self.device) if self.kind == "cuda" else "")
         if cfg.compile_cache and self.kind != "xla":
             raise ConfigError(f"device.compile_cache is for device.type=xla, not {self.kind}")
-        # auto: bfloat16 where matmuls run natively in it (accelerators; CPUs with AVX512-BF16 or AMX),
-        # else float32: bfloat16 autocast ran 7.7x slower than float32 on an AVX2-only CPU (README).
-        native_bf16 = self.kind in ("cuda", "neuron") or self.on_trainium or self.kind == "cpu" and (
-            torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-        self.dtype = (torch.bfloat16 if native_bf16 else torch.float32) if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+        self.dtype = compute_dtype(cfg, self.kind, self.on_trainium)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
         self.bf16_weights = self.dtype == torch.bfloat16 and cfg.bf16 == "weights"
         # The attention core in float32 under bfloat16: on a CPU bfloat16 SDPA (forward + backward) took 2.3x
@@ -135,18 +139,14 @@ class Backend:
             self.control = dist.group.WORLD if self.kind == "cpu" else dist.new_group(backend="gloo")
 
     def compile(self, fn):
-        """device.compile: torch.compile(fn), inductor on cpu and cuda, the Neuron backend on the
-        native neuron device (not on XLA, where the step is already one compiled graph)."""
-        # Each annealing stage, capacity and train/eval mode is a graph of its own; past the
-        # default limit (8) torch would silently run the rest eagerly.
-        torch._dynamo.config.recompile_limit = 64
-        # Static shapes and Python ints, like XLA: a new shape (a stage) is a new graph, not a dynamic one.
+        """device.compile: torch.compile(fn) with static shapes and Python ints, like XLA (a stage is a new graph,
+        not a dynamic one); inductor on cpu and cuda, the Neuron backend on neuron, not on XLA (one graph already)."""
+        torch._dynamo.config.recompile_limit = 64  # each stage, capacity, train/eval is a graph; past 8 torch runs eagerly
         return torch.compile(fn, backend="neuron" if self.kind == "neuron" else "inductor", dynamic=False)
 
     def autocast(self):
-        if self.dtype == torch.float32 or self.bf16_weights:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        plain = self.dtype == torch.float32 or self.bf16_weights
+        return nullcontext() if plain else torch.autocast(self.device.type, dtype=self.dtype)
 
     def mark_step(self):
         """The end of one optimizer step: on XLA the traced step becomes one graph and runs."""
@@ -191,10 +191,8 @@ class Backend:
         dist.all_reduce(state, op=dist.ReduceOp.MAX, group=self.control)
         return state[0].item(), bool(state[1].item())
 
-    def compile_seconds(self) -> float:
-        """Seconds this process has spent compiling graphs (XLA); 0 elsewhere."""
-        stats = self.compile_stats()
-        return stats[1] if stats else 0.0
+    def compile_seconds(self) -> float:  # seconds this process has spent compiling graphs (XLA); 0 elsewhere
+        return (self.compile_stats() or (0, 0.0))[1]
 
     def compile_stats(self):
         """XLA: (graphs compiled, compile seconds) so far in this process; None elsewhere."""
@@ -210,8 +208,7 @@ class Backend:
 
     def peak_flops(self) -> tuple:
         """-> (FLOP/s, where it came from): PEAK_FLOPS for a known device, else measured here."""
-        name = (f"trn2-lnc{os.environ.get('NEURON_LOGICAL_NC_CONFIG', '2')}" if self.on_trainium else
-                next((n for n in ("H100", "H200") if n in self.accelerator), ""))
+        name = peak_device(self.on_trainium, self.accelerator)
         if (name, self.dtype) in PEAK_FLOPS:
             return PEAK_FLOPS[name, self.dtype], f"{name} datasheet"
         return self.measure_matmul_peak(), "measured"
@@ -221,8 +218,7 @@ class Backend:
         is also what XLA's CPU backend runs on). Honest on any CPU; below the datasheet on GPUs."""
         device = self.device if self.kind == "cuda" else torch.device("cpu")
         n = 4096 if device.type == "cuda" else 1024
-        a = torch.randn(n, n, device=device, dtype=self.dtype)
-        b = torch.randn(n, n, device=device, dtype=self.dtype)
+        a, b = (torch.randn(n, n, device=device, dtype=self.dtype) for _ in range(2))
         best = math.inf
         for _ in range(6):
             self.wait()
@@ -271,33 +267,6 @@ class Backend:
 
 
 # ----------------------------------------------------------------------------------------------
-# Data: the builtin corpus is prepared on first use; shards are used as they are.
-
-
-def open_data(cfg: Config):
-    """-> (train files, val files, tokenizer path, corpus fingerprint)."""
-    d = cfg.data
-    if d.source == "builtin":
-        root = Path(d.path) / f"sp{cfg.model.vocab_size}"
-        meta = data.prepare_builtin(root, cfg.model.vocab_size, d.val_fraction)
-        tokenizer, fingerprint = meta["tokenizer"], f"{meta['corpus_sha256'][:12]}-v{meta['prepare_version']}"
-    else:
-        root, tokenizer = Path(d.path), d.tokenizer
-        if not Path(tokenizer).is_file():
-            raise data.DataError(f"data.tokenizer={tokenizer}: no such file, expected the shards' sentencepiece .model")
-    train_files, val_files = data.split_files(root, "train"), data.split_files(root, "val")
-    if not train_files or not val_files:
-        raise data.DataError(f"{root}: expected fineweb_train_*.bin and fineweb_val_*.bin shards, found "
-                             f"{len(train_files)} train and {len(val_files)} val")
-    if d.source == "shards":  # hashing gigabytes of shards would delay every run: names, sizes, tokenizer
-        h = hashlib.sha256(Path(tokenizer).read_bytes())
-        for f in train_files + val_files:
-            h.update(f"{f.name}:{f.stat().st_size}".encode())
-        fingerprint = h.hexdigest()[:12]
-    return train_files, val_files, tokenizer, fingerprint
-
-
-# ----------------------------------------------------------------------------------------------
 # Checkpoints and the scorer's entry point.
 
 
@@ -305,8 +274,7 @@ class CheckpointError(ValueError):
     pass
 
 
-CHECKPOINT_KEYS = ("model", "optimizers", "loader", "step", "train_s", "compile_s", "run_id", "config",
-                   "timeline", "flops", "rng")
+CHECKPOINT_KEYS = ("model", "optimizers", "loader", "step", "train_s", "compile_s", "run_id", "config", "timeline", "flops", "rng")
 
 
 def save_checkpoint(path: Path, state: dict):
@@ -371,38 +339,40 @@ def set_stage(model: GPT, cfg: Config, stage):
     model.set_recursion(stage.recur_span, stage.recur)
 
 
+def stage_flops(cfg: Config, model: GPT, stage) -> float:
+    """Training FLOPs per token of a stage, the model set to it (set_stage)."""
+    return flops_per_token(cfg.model, stage.seq_len, dataclasses.replace(cfg.mod, capacity=stage.capacity),
+                           model.active, stage.mlp_hidden, stage.loop_layers, stage.recur)
+
+
 # ----------------------------------------------------------------------------------------------
 # The run.
 
 
-def git_state():
-    def git(*args):
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-        return out.stdout.strip() if out.returncode == 0 else ""
-    # ledger.csv changes with every run; it does not make the code dirty.
-    return git("rev-parse", "--short=12", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!ledger.csv"))
+def open_data(cfg: Config):  # -> (train files, val files, tokenizer path, corpus fingerprint)
+    return data.open_data(cfg.data.source, cfg.data.path, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.val_fraction)
 
 
 def check_writable(directory: Path, key: str):
     """Stop before training if `directory` (made when training starts) could not be made or written."""
-    existing = directory
-    while not existing.exists():
-        existing = existing.parent
+    existing = next(path for path in (directory, *directory.parents) if path.exists())
     if not existing.is_dir():
         raise ConfigError(f"{key}: {existing} is a file, expected a directory (to hold {directory})")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}: {existing} is not writable (to hold {directory})")
 
 
+def memory_estimate(cfg: Config, bf16_weights: bool) -> tuple:
+    """-> (bytes, parameters, activation bytes) a rank needs, roughly (model.training_values): each parameter 16
+    bytes (fp32 weight, gradient, two optimizer moments; 20 with bf16 weights and fp32 masters; 4 more with
+    optim.ema), each activation value of one micro-batch 4."""
+    params, values = training_values(cfg.model, cfg.optim.micro_batch * cfg.data.seq_len)
+    return params * ((20 if bf16_weights else 16) + (4 if cfg.optim.ema else 0)) + 4 * values, params, 4 * values
+
+
 def check_memory(cfg: Config, backend: Backend):
-    """Refuse a run that cannot fit before allocating it. A rough estimate, in bytes: each
-    parameter 16 (fp32 weight, gradient, two optimizer moments; 20 with bf16 weights and fp32
-    masters; 4 more with optim.ema), plus the activations autograd keeps for one micro-batch: 4 per
-    value, per token n_layer x (8 + 3 x mlp_mult) x n_embd (norm inputs, q/k/v, attention output,
-    residual, MLP hidden before and after its activation) and 4 x vocab_size (logits, softcap,
-    log-softmax, its gradient). Against MemAvailable of the host (CPU, XLA on CPU: times the processes on it) or
-    the free memory of the GPU; not checked on Neuron (no query)."""
-    m, tokens = cfg.model, cfg.optim.micro_batch * cfg.data.seq_len
+    """Refuse a run that cannot fit (memory_estimate) before allocating it: against MemAvailable of the host
+    (CPU, XLA on CPU: shared by the processes on it) or the free memory of the GPU; not on Neuron (no query)."""
     if backend.kind == "cuda":
         available, where = torch.cuda.mem_get_info(backend.device)[0], f"free on {backend.device}"
     elif backend.on_trainium or backend.kind == "neuron" or not Path("/proc/meminfo").is_file():
@@ -411,17 +381,59 @@ def check_memory(cfg: Config, backend: Backend):
         meminfo = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
         available = int(meminfo["MemAvailable"].split()[0]) * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         where = "MemAvailable of the host, per process"
-    hidden, kv_dim = m.mlp_mult * m.n_embd, m.n_kv_head * (m.n_embd // m.n_head)
-    layer = 2 * m.n_embd * m.n_embd + 2 * m.n_embd * kv_dim + (3 if m.mlp == "swiglu" else 2) * m.n_embd * hidden
-    params = m.n_layer * layer + (1 if m.tie_embeddings else 2) * m.vocab_size * m.n_embd
-    activations = 4 * tokens * (m.n_layer * (8 + 3 * m.mlp_mult) * m.n_embd + 4 * m.vocab_size)
-    need = params * ((20 if backend.bf16_weights else 16) + (4 if cfg.optim.ema else 0)) + activations
+    need, params, activations = memory_estimate(cfg, backend.bf16_weights)
     if need > available:
+        m = cfg.model
         raise ConfigError(f"model.n_layer={m.n_layer} model.n_embd={m.n_embd} model.mlp_mult={m.mlp_mult} "
                           f"model.vocab_size={m.vocab_size} optim.micro_batch={cfg.optim.micro_batch} data.seq_len="
                           f"{cfg.data.seq_len}: the run needs about {need / 2**30:.2f} GiB ({params:.3g} parameters, "
                           f"{activations / 2**30:.2f} GiB activations) but {available / 2**30:.2f} GiB is available "
                           f"({where}); expected a smaller model or micro-batch")
+
+
+def xla_graphs(cfg: Config, stages, accum: int) -> int:
+    """Graphs an XLA run compiles, however long (precompile runs them all): per stage its steady step (one per phase
+    of a layer-routing rotation its micro-batches meet) and, where it first uses parameters (the run's first stage,
+    new layers, a loop's new gates or routers), its first step; eval; the routers' agreement read; optim.ema's swap."""
+    graphs, depth, passes = 1 + (cfg.mod.granularity in TILED) + bool(cfg.optim.ema), 0, 1
+    for stage in stages:
+        period = rotation_period(cfg.mod, stage.capacity)
+        graphs += period // math.gcd(period, accum) + (stage.depth > depth or stage.recur > passes and (
+            cfg.schedule.recur_gate or cfg.mod.recur))
+        depth, passes = max(depth, stage.depth), max(passes, stage.recur)
+    return graphs
+
+
+def stage_line(stage, model: GPT, flops: float) -> str:
+    """A stage's settings, virtual depth, active parameters and FLOPs per token, the model set to it."""
+    return (" ".join(f"{k}:{v}" for k, v in dataclasses.asdict(stage).items()) + f" virtual_depth:"
+            f"{stage.virtual_depth} active_params:{active_params(model)} flops_per_token:{flops:.0f}")
+
+
+def plan_text(cfg: Config, config_path: str) -> str:
+    """--plan: a run of cfg from its config alone (no data read, no device touched, nothing compiled), on
+    WORLD_SIZE ranks; xla and neuron planned on trn2 at NEURON_LOGICAL_NC_CONFIG (default 2), cuda on this GPU."""
+    world, stages = int(os.environ.get("WORLD_SIZE", "1")), resolve_stages(cfg)
+    accum = accum_steps(cfg, world)
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device.type == "auto" else cfg.device.type
+    gpu = torch.cuda.get_device_name() if kind == "cuda" and torch.cuda.is_available() else ""
+    dtype, device = compute_dtype(cfg.device, kind, kind in ("xla", "neuron")), peak_device(kind in ("xla", "neuron"), gpu)
+    peak, hbm = PEAK_FLOPS.get((device, dtype)), HBM_BYTES.get(device)
+    with torch.device("meta"):  # shapes only: nothing allocated
+        model = GPT(cfg.model, cfg.mod, passes=max(s.recur for s in stages), recur_gate=cfg.schedule.recur_gate)
+    lines = [f"plan config:{config_path} device:{kind} target:{device or kind} dtype:{str(dtype)[6:]} world_size:{world} "
+             f"params:{param_count(model)} tokens_per_step:{cfg.optim.batch_tokens} tokens_per_rank:"
+             f"{cfg.optim.batch_tokens // world} accum_steps:{accum} xla_graphs:{xla_graphs(cfg, stages, accum)}"]
+    for i, stage in enumerate(stages):
+        set_stage(model, cfg, stage)
+        flops, rank_tokens = stage_flops(cfg, model, stage), stage.batch_tokens // world
+        lines.append(f"stage:{i} {stage_line(stage, model, flops)} tokens_per_rank:{rank_tokens}" + (
+            f" step_s_at_40pct_mfu:{flops * rank_tokens / (0.4 * peak):.4f}" if peak else ""))
+    need, _, activations = memory_estimate(cfg, dtype == torch.bfloat16 and cfg.device.bf16 == "weights")
+    lines.append(f"memory_per_rank:{need / 2**30:.2f}GiB (estimate; activations {activations / 2**30:.2f}GiB)" + (
+        f" hbm_per_rank:{hbm / 2**30:g}GiB margin:{(hbm - need) / 2**30:.2f}GiB" if hbm else ""))
+    lines.append(f"peak_flops_per_rank:{peak:.4g} ({device} datasheet)" if peak else "peak:unknown (measured at run time)")
+    return "\n".join(lines)
 
 
 FINITE_CHECK_STEPS = 16  # off the CPU a non-finite loss stops the run within min(run.log_every, this) steps
@@ -449,11 +461,7 @@ class Trainer:
             raise ConfigError(str(e)) from None
         self.device, self.is_main, world = self.backend.device, self.backend.rank == 0, self.backend.world_size
         check_memory(cfg, self.backend)
-        rank_tokens = cfg.optim.micro_batch * cfg.data.seq_len * world
-        if cfg.optim.batch_tokens % rank_tokens:
-            raise ConfigError(f"optim.batch_tokens ({cfg.optim.batch_tokens}) must be a multiple of optim.micro_batch "
-                              f"* data.seq_len * WORLD_SIZE ({cfg.optim.micro_batch} * {cfg.data.seq_len} * {world})")
-        self.accum_steps = cfg.optim.batch_tokens // rank_tokens
+        self.accum_steps = accum_steps(cfg, world)
         self.run_id = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
         self.run_dir = Path(cfg.run.out_dir) / self.run_id
         self.checkpoint_path = Path(cfg.checkpoint.path or self.run_dir / "checkpoint.pt")
@@ -467,9 +475,8 @@ class Trainer:
         # Under neuron_parallel_compile outputs are zeros: such a run only traces, like precompile.
         self.precompile = cfg.run.precompile or bool(os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY"))
 
-        torch.manual_seed(cfg.run.seed)  # the same on every rank: identical initial weights
-        np.random.seed(cfg.run.seed)
-        random.seed(cfg.run.seed)
+        for seed in (torch.manual_seed, np.random.seed, random.seed):  # the same on every rank: identical initial weights
+            seed(cfg.run.seed)
         self.train_files, self.val_files, tokenizer, self.data_sha = open_data(cfg)
         self.bytes = data.ByteTable(tokenizer)
         if self.bytes.vocab_size != cfg.model.vocab_size:
@@ -527,19 +534,17 @@ class Trainer:
         return self.steady_tokens / self.steady_s if self.steady_s else 0.0
 
     def stage_at(self, progress: float) -> int:
-        """The stage for this progress, or for the tokens trained when the schedule switches by
-        tokens; never one before the latest entered (a resumed run with a longer budget keeps its
-        grown model)."""
+        """The stage for this progress, or for the tokens trained when the schedule switches by tokens; never one
+        before the latest entered (a resumed run with a longer budget keeps its grown model)."""
         reached = self.stage if self.timeline else 0
         return max(reached, max(i for i, stage in enumerate(self.stages)
                                 if (self.tokens >= stage.at_tokens if stage.at_tokens else stage.at <= progress)))
 
     def enter_stage(self, index: int):
-        """Set the model's active layers, MLP width and capacity, the loader's sequence length and
-        tokens per step (stage_rows), and the LR's batch factor to stage `index`; a new stage is a
-        new static graph. Weights, optimizer state and the LR schedule carry on, except that with
-        schedule.grow_init=copy the layers a stage adds start as copies of the top ones active
-        before it (stacking, Du et al. 2024), optimizer state included."""
+        """Set the model's active layers, MLP width and capacity, the loader's sequence length and tokens per step
+        (stage_rows), and the LR's batch factor to stage `index`: a new static graph. Weights, optimizer state and
+        the LR schedule carry on, except that with schedule.grow_init=copy the layers a stage adds start as copies
+        of the top ones active before it (stacking, Du et al. 2024), optimizer state included."""
         stage, cfg = self.stages[index], self.cfg
         order = depth_order(cfg.model.n_layer, cfg.schedule.grow_depth)
         if self.timeline and cfg.schedule.grow_init == "copy":  # not on a run's first entry: nothing has trained
@@ -562,8 +567,7 @@ class Trainer:
                 self.loader.load_state_dict(self.loader_state)  # before the batches fetched for the old shape
             self.inputs = self.fetch()
         self.period = rotation_period(cfg.mod, stage.capacity)
-        self.stage_flops_per_token = flops_per_token(cfg.model, stage.seq_len, dataclasses.replace(
-            cfg.mod, capacity=stage.capacity), self.model.active, stage.mlp_hidden, stage.loop_layers, stage.recur)
+        self.stage_flops_per_token = stage_flops(cfg, self.model, stage)
         if not self.timeline or self.stage != index:
             self.timeline.append([index, self.train_s, 0])
 
@@ -596,9 +600,8 @@ class Trainer:
 
     # -- state ---------------------------------------------------------------------------------
     def fetch(self):
-        """The next step's micro-batches, moved to the device now: on XLA and CUDA the copy
-        overlaps the step the device is still running. Remembers the loader position before
-        them, which is what a checkpoint must record."""
+        """The next step's micro-batches, moved to the device now: on XLA and CUDA the copy overlaps the step the
+        device is still running. Remembers the loader position before them, what a checkpoint must record."""
         self.loader_state = self.loader.state_dict()
         return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                 for x, y in (self.loader.next_batch() for _ in range(self.accum_steps))]
@@ -618,9 +621,8 @@ class Trainer:
                      loader=self.loader_state, step=self.step_count, train_s=self.train_s, compile_s=self.compile_s,
                      run_id=self.run_id, config=dataclasses.asdict(self.cfg), timeline=self.timeline, flops=self.flops,
                      # numpy's state as plain values: a checkpoint must load with weights_only=True
-                     rng=dict(torch=torch.get_rng_state(), numpy=[v.tolist() if isinstance(v, np.ndarray) else v
-                                                                  for v in np.random.get_state()],
-                              python=random.getstate(),
+                     rng=dict(torch=torch.get_rng_state(), python=random.getstate(),
+                              numpy=[v.tolist() if isinstance(v, np.ndarray) else v for v in np.random.get_state()],
                               cuda=torch.cuda.get_rng_state_all() if self.backend.kind == "cuda" else None))
         return tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, state)
 
@@ -721,10 +723,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, max_tokens: int, max_batches=0):
-        """-> (val_loss nats/token, val_bpb, target tokens, target bytes) over the first max_tokens
-        of the validation split (0 = all of it), non-overlapping windows of data.seq_len, sharded over
-        ranks. Every batch has the same shape (a short last one is padded and weighed 0), so
-        XLA compiles one eval graph."""
+        """-> (val_loss nats/token, val_bpb, target tokens, target bytes) over the first max_tokens of the validation
+        split (0 = all of it), non-overlapping windows of data.seq_len, sharded over ranks. Every batch has the
+        same shape (a short last one is padded and weighed 0), so XLA compiles one eval graph."""
         self.model.eval()
         self.swap_ema()
         self.model.reset_routing_stats()
@@ -814,8 +815,7 @@ class Trainer:
         """One record of the learning curve in metrics.jsonl: kind train (a log line), curve (the
         eval.curve_tokens slice during training) or final (the whole evaluation)."""
         if self.is_main:
-            record = dict(kind=kind, step=self.step_count, train_s=round(self.train_s, 3),
-                          tokens=self.tokens, stage=self.stage, **values)
+            record = dict(kind=kind, step=self.step_count, train_s=round(self.train_s, 3), tokens=self.tokens, stage=self.stage, **values)
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
 
@@ -840,13 +840,12 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.log_file = open(self.run_dir / "log.txt", "a")
             self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
-        git_commit, git_dirty = git_state()
+        git_commit, git_dirty = ledger.git_state(ROOT)
         self.log(f"run_id:{self.run_id} git:{git_commit}{'+dirty' if git_dirty else ''} config:{self.config_path} "
                  f"overrides:{' '.join(self.overrides) or '-'}")
         for key, value in flatten(dataclasses.asdict(cfg)).items():
             self.log(f"config {key}:{value}")
-        params = param_count(self.model)
-        peak = backend.peak_flops()
+        params, peak = param_count(self.model), backend.peak_flops()
         compiled = "ignored (xla: the step is one graph already)" if cfg.device.compile and backend.xla else self.compiled
         self.log(f"device:{self.device} dtype:{backend.dtype_name} attn_float32:{backend.attn_float32} "
                  f"bf16_weights:{backend.bf16_weights} world_size:{backend.world_size} params:{params} "
@@ -859,9 +858,8 @@ class Trainer:
         # SIGUSR1: pruned by a search (search.py): the run stops, with no checkpoint and no evaluation.
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
         status, error, start_step = "ok", "", self.step_count
-        # Precompile runs each stage's graphs: its first step (which may create optimizer state,
-        # a graph of its own), then the steady step, which under layer routing has a graph per
-        # phase of its rotation (period P micro-batches).
+        # Precompile runs each stage's graphs: its first step (which may create optimizer state, a graph of its own),
+        # then the steady step, under layer routing a graph per phase of its rotation (period P micro-batches).
         plan = [i for i, stage in enumerate(self.stages) for _ in range(1 + rotation_period(cfg.mod, stage.capacity))]
         max_steps = start_step + len(plan) if self.precompile else cfg.budget.max_steps
         scaled = any((stage.attn_scale, stage.mlp_scale) != (1.0, 1.0) for stage in self.stages)
@@ -915,9 +913,8 @@ class Trainer:
                     backend.on_values(self.check_finite, loss_total)
                 backend.mark_step()
                 self.inputs = self.fetch()
-                # Compile time is kept apart: all of the first step (compilation, CUDA kernel and
-                # allocator warm-up), and on XLA whatever any later step spent compiling a new graph.
-                # With device.compile, the first step of each stage compiles its graphs too.
+                # Compile time is kept apart: all of the first step (compilation, CUDA kernel and allocator warm-up), on
+                # XLA whatever a later step spent compiling a new graph, with device.compile each stage's first step.
                 warmup = self.step_count == start_step + 1 or (self.compiled and self.timeline[-1][2] == 1)
                 if warmup or profiled:
                     backend.wait()
@@ -982,16 +979,12 @@ class Trainer:
         self.log(f"profile:{path} top:" + (",".join(f"{name.replace(' ', '_')}={share}" for name, share in top) or "-"))
 
     def log_stage(self):
-        stage = self.stages[self.stage]
         self.log(f"stage:{self.stage} step:{self.step_count} train_s:{self.train_s:.1f} "
-                 + " ".join(f"{k}:{v}" for k, v in dataclasses.asdict(stage).items())
-                 + f" virtual_depth:{stage.virtual_depth} active_params:{active_params(self.model)}"
-                 f" flops_per_token:{self.stage_flops_per_token:.4g}")
+                 + stage_line(self.stages[self.stage], self.model, self.stage_flops_per_token))
 
     def finish(self, status, error, params, peak, git_commit, git_dirty) -> dict:
-        """Checkpoint (ok or interrupted runs), evaluate (ok runs), ledger row: always, also when
-        the save or the evaluation fails or a signal comes. A precompile run instead runs one
-        eval batch and reports what it compiled."""
+        """Checkpoint (ok or interrupted runs), evaluate (ok runs), ledger row: always, also when the save or the
+        evaluation fails or a signal comes. A precompile run instead runs one eval batch and reports what it compiled."""
         cfg, backend = self.cfg, self.backend
         backend.wait()
         compiles = backend.compile_stats()
@@ -1000,14 +993,12 @@ class Trainer:
                 self.evaluate(cfg.eval.tokens, max_batches=1)  # result ignored: under graph extraction it is zeros
                 compiles = backend.compile_stats()
             self.loader.close()
-            self.log(f"precompile status:{status} steps:{self.step_count} eval_batches:1 "
-                     f"xla_compiles:{compiles[0] if compiles else '-'} "
-                     f"compile_s:{compiles[1] if compiles else self.compile_s:.2f}")
+            self.log(f"precompile status:{status} steps:{self.step_count} eval_batches:1 xla_compiles:"
+                     f"{compiles[0] if compiles else '-'} compile_s:{compiles[1] if compiles else self.compile_s:.2f}")
             if self.is_main:
                 self.log_file.close()
                 self.metrics_file.close()
             return dict(status=status)
-        tokens_per_s = self.tokens_per_s
         val_loss = val_bpb = val_tokens = val_bytes = failure = None
         eval_s = 0.0
         try:
@@ -1033,7 +1024,7 @@ class Trainer:
             notes.append(f"routing_agreement={self.routing_agreement:.4f} (eval tiles where the causal predictor "
                          f"matched the training top-k)")
         notes.append(f"peak_flops={peak[0]:.4g} {peak[1]}")
-        measured = tokens_per_s  # what the steps really took, for MFU: its peak was measured under the same load
+        measured = self.tokens_per_s  # what the steps really took, for MFU: its peak was measured under the same load
         if self.step_costs and self.step_ms:  # the calibrated clock's tokens/s are not the machine's
             measured = self.steady_tokens / sum(self.step_ms) * 1000
             notes.append(f"measured_tokens_per_s={measured:.0f}")
@@ -1059,15 +1050,13 @@ class Trainer:
             overrides=" ".join(self.overrides), device=str(self.device), world_size=backend.world_size,
             seed=cfg.run.seed, data_sha=self.data_sha, params=params, active_params=active_params(self.model),
             budget_s=cfg.budget.seconds, train_s=self.train_s, compile_s=compiles[1] if compiles else self.compile_s,
-            data_wait_s=self.data_wait_s + self.loader.wait_s, eval_s=eval_s, steps=self.step_count,
-            tokens=tokens, tokens_per_s=tokens_per_s,
-            step_ms_p50=statistics.median(self.step_ms) if self.step_ms else None, flops_per_token=fpt,
+            data_wait_s=self.data_wait_s + self.loader.wait_s, eval_s=eval_s, steps=self.step_count, tokens=tokens,
+            tokens_per_s=self.tokens_per_s, step_ms_p50=statistics.median(self.step_ms) if self.step_ms else None, flops_per_token=fpt,
             mfu=fpt * measured / (peak[0] * backend.world_size), val_loss=val_loss, val_bpb=val_bpb,
             val_tokens=val_tokens, val_bytes=val_bytes, xla_compiles=compiles[0] if compiles else None,
             peak_mem_mb=backend.peak_memory_mb(), status=status, notes="; ".join(notes), profile=self.profile_top,
             recipe=self.recipe, sweep=cfg.ledger.sweep, variant=cfg.ledger.variant, machine=self.machine,
-            clock=cfg.budget.clock, calibration=self.calibration,
-            step_cost_ms=" ".join(f"{c * 1000:.2f}" for c in self.step_costs or ()),
+            clock=cfg.budget.clock, calibration=self.calibration, step_cost_ms=" ".join(f"{c * 1000:.2f}" for c in self.step_costs or ()),
             stages=" ".join(f"{i}@{start:.1f}s:{steps}:d{self.stages[i].virtual_depth}" for i, start, steps in self.timeline))
         self.loader.close()
         if self.is_main:
@@ -1086,9 +1075,15 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(BASE_CONFIG), help="YAML config (default configs/base.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides; later ones win")
+    parser.add_argument("--plan", action="store_true", help="print the plan and exit, reading no data, compiling nothing: "
+                        "parameters, FLOPs and tokens per step, rank (WORLD_SIZE) and stage, XLA graphs, memory per rank; "
+                        "device.type xla or neuron on trn2 at NEURON_LOGICAL_NC_CONFIG (default 2): HBM, peak, 40%% MFU step")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.plan:
+            print(plan_text(cfg, args.config))
+            return 0
         trainer = Trainer(cfg, args.config, args.overrides)
     except (ConfigError, data.DataError, CheckpointError, ledger.LedgerError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

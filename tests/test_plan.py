@@ -1,0 +1,120 @@
+"""train.py --plan: a run's plan from its config alone. Its parameters, active parameters and FLOPs are those
+of the built model, its graph count the one the XLA tests measure, its memory the estimate check_memory uses;
+a bad config or a world size that does not split the batch exits 2 naming the key. configs/trn2.yaml trains on
+XLA (CPU backend) at its full model shape and compiles the graphs its plan says."""
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import ledger
+import train
+from config import accum_steps, load_config, resolve_stages
+from model import GPT, active_params, flops_per_token, param_count
+from test_backends import XLA_GRAPHS, run
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+
+def parse(text: str) -> dict:
+    """Plan lines -> {first key of the line ("plan", "stage:0", "memory_per_rank", ...): {key: value}}."""
+    table = {}
+    for line in text.strip().splitlines():
+        pairs = dict(token.split(":", 1) for token in line.split() if ":" in token)
+        head = line.split()[0]
+        table[head if head.startswith("stage:") else head.split(":")[0]] = pairs
+    return table
+
+
+def plan(capsys, monkeypatch, config, *overrides, world="1", lnc="2") -> dict:
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", lnc)
+    assert train.main(["--config", str(config), "--plan", *overrides]) == 0
+    return parse(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name,graphs", [
+    ("cpu.yaml", XLA_GRAPHS),
+    # The first step, each of three stages' steady steps, the first step of the stage that adds layers, eval.
+    ("aion.yaml", XLA_GRAPHS + 3),
+    ("trn2.yaml", XLA_GRAPHS),
+])
+def test_the_plan_has_the_built_models_numbers(capsys, monkeypatch, name, graphs):
+    table = plan(capsys, monkeypatch, CONFIGS / name)
+    cfg = load_config(CONFIGS / name)
+    stages = resolve_stages(cfg)
+    model = GPT(cfg.model, cfg.mod, passes=max(s.recur for s in stages), recur_gate=cfg.schedule.recur_gate)
+    head = table["plan"]
+    assert int(head["params"]) == param_count(model)
+    assert int(head["tokens_per_step"]) == int(head["tokens_per_rank"]) == cfg.optim.batch_tokens
+    assert int(head["accum_steps"]) == cfg.optim.batch_tokens // (cfg.optim.micro_batch * cfg.data.seq_len)
+    assert int(head["xla_graphs"]) == graphs == train.xla_graphs(cfg, stages, accum_steps(cfg, 1))
+    assert len([key for key in table if key.startswith("stage:")]) == len(stages)
+    for i, stage in enumerate(stages):
+        row = table[f"stage:{i}"]
+        train.set_stage(model, cfg, stage)
+        flops = flops_per_token(cfg.model, stage.seq_len, dataclasses.replace(cfg.mod, capacity=stage.capacity),
+                                model.active, stage.mlp_hidden, stage.loop_layers, stage.recur)
+        assert int(row["active_params"]) == active_params(model)
+        assert int(row["flops_per_token"]) == round(flops)
+        assert (int(row["depth"]), int(row["seq_len"])) == (stage.depth, stage.seq_len)
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device.type == "auto" else cfg.device.type
+    dtype = train.compute_dtype(cfg.device, kind, kind in ("xla", "neuron"))
+    need = train.memory_estimate(cfg, dtype == torch.bfloat16 and cfg.device.bf16 == "weights")[0]
+    assert table["memory_per_rank"]["memory_per_rank"] == f"{need / 2**30:.2f}GiB"
+    if kind == "cpu":
+        assert "peak" in table and "hbm_per_rank" not in table["memory_per_rank"]
+
+
+def test_trn2_is_planned_per_rank_against_its_hbm_and_datasheet_peak(capsys, monkeypatch):
+    cfg = load_config(CONFIGS / "trn2.yaml")
+    need = train.memory_estimate(cfg, True)[0]  # bfloat16 on Trainium, device.bf16=weights
+    for lnc, world, hbm, peak in (("2", "4", 24, 667e12 / 4), ("1", "8", 12, 667e12 / 8)):
+        table = plan(capsys, monkeypatch, CONFIGS / "trn2.yaml", world=world, lnc=lnc)
+        head, stage, memory = table["plan"], table["stage:0"], table["memory_per_rank"]
+        rank_tokens = cfg.optim.batch_tokens // int(world)
+        assert (head["target"], head["dtype"], head["world_size"]) == (f"trn2-lnc{lnc}", "bfloat16", world)
+        assert int(head["tokens_per_rank"]) == int(stage["tokens_per_rank"]) == rank_tokens
+        assert int(head["accum_steps"]) == rank_tokens // (cfg.optim.micro_batch * cfg.data.seq_len)
+        assert table["peak_flops_per_rank"]["peak_flops_per_rank"] == f"{peak:.4g}"
+        assert stage["step_s_at_40pct_mfu"] == f"{int(stage['flops_per_token']) * rank_tokens / (0.4 * peak):.4f}"
+        assert (memory["hbm_per_rank"], memory["margin"]) == (f"{hbm}GiB", f"{(hbm * 2**30 - need) / 2**30:.2f}GiB")
+
+
+def test_the_plan_reads_no_data_and_writes_nothing(capsys, monkeypatch, tmp_path):
+    """The shards and the tokenizer it names do not exist; no run folder, ledger or corpus appears."""
+    overrides = (f"data.path={tmp_path / 'shards'}", f"data.tokenizer={tmp_path / 'none.model'}",
+                 f"ledger.path={tmp_path / 'ledger.csv'}", f"run.out_dir={tmp_path / 'runs'}")
+    assert int(plan(capsys, monkeypatch, CONFIGS / "trn2.yaml", *overrides)["plan"]["params"]) > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (["model.n_layers=3"], "1", "unknown key model.n_layers; did you mean model.n_layer?"),
+    (["model.xsa_layers=10"], "1", "model.xsa_layers: expected 0..9"),
+    ([], "3", "optim.batch_tokens (524288) must be a multiple of optim.micro_batch * data.seq_len * WORLD_SIZE "
+              "(16 * 1024 * 3)"),
+])
+def test_a_bad_config_or_world_size_stops_the_plan_with_exit_2(capsys, monkeypatch, overrides, world, message):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    assert train.main(["--config", str(CONFIGS / "trn2.yaml"), "--plan", *overrides]) == 2
+    out = capsys.readouterr()
+    assert message in out.err and out.out == ""
+
+
+@pytest.mark.xla
+def test_trn2_yaml_trains_on_xla_at_full_shape_with_the_planned_graphs(capsys, monkeypatch, tmp_path, builtin_1024):
+    """Its 9 x 512 model at sequence 1024 for 2 optimizer steps of one sequence, on the built-in corpus."""
+    small = ["data.source=builtin", f"data.path={ROOT / 'data' / 'builtin'}", "optim.batch_tokens=1024",
+             "optim.micro_batch=1", "eval.tokens=1024", "eval.batch_size=1", "budget.max_steps=2",
+             "run.profile_steps=0", "checkpoint.every_seconds=0", f"ledger.path={tmp_path / 'ledger.csv'}",
+             f"run.out_dir={tmp_path / 'runs'}"]
+    table = plan(capsys, monkeypatch, CONFIGS / "trn2.yaml", *small)
+    run(["--config", str(CONFIGS / "trn2.yaml"), *small])
+    row, = ledger.read(tmp_path / "ledger.csv")
+    assert row["status"] == "ok" and row["steps"] == "2" and math.isfinite(float(row["val_bpb"]))
+    assert row["params"] == table["plan"]["params"] and row["active_params"] == table["stage:0"]["active_params"]
+    assert int(row["xla_compiles"]) == int(table["plan"]["xla_graphs"]) == XLA_GRAPHS
