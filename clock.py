@@ -151,7 +151,7 @@ def costs(budget, keys: list, here: str):
     return doc["id"], [doc["stages"][key]["step_ms"] / 1000 * scale for key in keys]
 
 
-def measure(stages: dict, path, baseline: str, here: str, log=print, rounds=None) -> dict:
+def measure(stages: dict, path, baseline: str, here: str, log=print, rounds=None, before_rounds=None) -> dict:
     """Calibrate `stages` ({stage key: (name, config, overrides, trainer, stage index)}, every trainer
     built in this process with budget.clock=wall) into the file `path`, or extend the calibration
     there with the stages it lacks, measured with its baseline. Each trainer stays in its stage, as
@@ -159,7 +159,8 @@ def measure(stages: dict, path, baseline: str, here: str, log=print, rounds=None
     order, reversed every other round, so that the machine's drift (a step's time moved by 10-20 %
     within seconds on a shared 2-core VM) moves every stage alike and cancels out of the ratios: a
     stage's cost is its median per-round ratio to the baseline, times the baseline's median step
-    (the recorded one when extending). rounds: default ROUNDS. -> the calibration."""
+    (the recorded one when extending). rounds: default ROUNDS. before_rounds: called once the warm-up
+    (compilation) is done, before the first timed step. -> the calibration."""
     rounds = rounds or ROUNDS
     old = read(path) if Path(path).is_file() else None
     if old and old["machine"] != here:
@@ -177,6 +178,8 @@ def measure(stages: dict, path, baseline: str, here: str, log=print, rounds=None
         start = time.perf_counter()
         trainer.timed_steps(index, WARMUP)
         log(f"calibration warm-up {name}: {time.perf_counter() - start:.1f} s")
+    if before_rounds:
+        before_rounds()
     medians = {key: [] for key in todo}
     order = list(todo.items())
     for r in range(rounds):

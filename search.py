@@ -622,7 +622,9 @@ def trial_sweep(name, config, overrides, out, variant, trial, extra, jobs, round
 def calibrate_main(arg: str) -> int:
     """`python search.py calibrate JOB`: a trial's lacking stages into the search's calibration, measured
     with the worker's running trials (JOB's `paused` pids) stopped, so that it runs alone. They are
-    continued however this ends: an error, SIGTERM, or the worker's death (its SIGTERM comes here)."""
+    stopped only after the warm-up: a trial stopped while it held inductor's compile lock, which the
+    warm-up's compile then waited for, deadlocked both (2026-12-04). They are continued however this
+    ends: an error, SIGTERM, or the worker's death (its SIGTERM comes here)."""
     job = json.loads(arg)
     paused = job.pop("paused", [])
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -631,9 +633,7 @@ def calibrate_main(arg: str) -> int:
         runner.calibration.parent.mkdir(parents=True, exist_ok=True)
         with open(runner.calibration.with_suffix(".lock"), "w") as lock:  # one writer of the file at a time
             fcntl.flock(lock, fcntl.LOCK_EX)
-            for pid in paused:
-                signal_pid(pid, signal.SIGSTOP)
-            runner.calibrate()
+            runner.calibrate(before_rounds=lambda: [signal_pid(pid, signal.SIGSTOP) for pid in paused])
     except (ConfigError, sweep.SweepError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

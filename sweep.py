@@ -267,11 +267,11 @@ class Sweep:
                 wanted.setdefault(clock.stage_key(flat, self.data_sha[variant], stage), (variant, index))
         return wanted
 
-    def calibrate(self):
+    def calibrate(self, before_rounds=None):
         """Measure the stages the sweep's calibration lacks (all, the first time), with its baseline
         (the baseline variant's first stage): a model built here per distinct stage (one that
         several variants run, or that differs only in what a step does not compute, is measured
-        once)."""
+        once). before_rounds: clock.measure's."""
         wanted = self.stage_keys()
         known = clock.read(self.calibration)["stages"] if self.calibration.is_file() else {}
         base = next(iter(wanted))
@@ -285,7 +285,7 @@ class Sweep:
                     trainer = train.Trainer(load_config(self.config_file(variant), overrides))
                     stages[key] = (f"{variant}/{index}", self.config_file(variant), overrides, trainer, index)
             clock.measure(stages, self.calibration, base, self.here, log=lambda line: print(line, flush=True),
-                          rounds=self.rounds)
+                          rounds=self.rounds, before_rounds=before_rounds)
         finally:
             for stage in stages.values():
                 stage[3].loader.close()
