@@ -1,4 +1,4 @@
-"""The prepared GPU check: what only an NVIDIA GPU can verify, in about 8 minutes, in one report.
+"""The prepared GPU check: what only an NVIDIA GPU can verify, in about 9 minutes, in one report.
 
     python -m tools.gpu_check [--out gpu_check] [--minutes 10] [--train-seconds 90] [--only STEP ...]
 
