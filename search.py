@@ -20,6 +20,7 @@ A search file is a sweep file (sweep.py) with a `search:` section instead of var
       prune: {at: [0.25, 0.5], keep: 0.5}   # optional: at these fractions of the budget keep the best half
                                         #   (after: 5 trials have finished)
       confirm: {best: 3, seeds: [1337, 7, 2024]}  # the best trials again at the config's budget, paired
+                                        #   against the config (or against: another config file)
       calibration_rounds: 10            # rounds of each trial's cost calibration
 
 Each trial is a train.py process, like a sweep's run: the ledger's `sweep` is the search's name, its
@@ -127,13 +128,19 @@ def load(path: Path, doc: dict) -> dict:
         prune = dict(at=at, keep=number("prune.keep", keep, low=0, high=1),
                      after=number("prune.after", prune.get("after", PRUNE_AFTER), integer=True, low=-1))
     confirm = s.get("confirm", {})
-    if not isinstance(confirm, dict) or set(confirm) - {"best", "seeds"}:
-        raise SearchError(f"{where}.confirm: expected {{best: N, seeds: [..]}}, got {confirm!r}")
+    if not isinstance(confirm, dict) or set(confirm) - {"best", "seeds", "against"}:
+        raise SearchError(f"{where}.confirm: expected {{best: N, seeds: [..], against: CONFIG}}, got {confirm!r}")
     seeds = confirm.get("seeds", [1337, 7, 2024])
     if not isinstance(seeds, list) or len(seeds) < 2 or not all(isinstance(x, int) and x >= 0 for x in seeds):
         raise SearchError(f"{where}.confirm.seeds: expected at least two non-negative integers (a paired verdict), "
                           f"got {seeds!r}")
-    confirm = dict(best=number("confirm.best", confirm.get("best", 3), integer=True, low=0), seeds=seeds)
+    against = confirm.get("against", doc["config"])
+    try:
+        load_config(against, [*(doc.get("overrides") or []), *CHECKED_CLOCK])
+    except ConfigError as e:
+        raise SearchError(f"{where}.confirm.against: {e}") from None
+    confirm = dict(best=number("confirm.best", confirm.get("best", 3), integer=True, low=0), seeds=seeds,
+                   against=against)
     templates = s.get("templates") or {}
     if not isinstance(templates, dict):
         raise SearchError(f"{where}.templates: expected a mapping of config key: value with $names, got {templates!r}")
@@ -597,7 +604,7 @@ class Worker:
                 plt.close(figure)
 
     def confirm(self) -> int:
-        """The best trials at the config's budget, `seeds` paired against the base config: a sweep."""
+        """The best trials at the config's budget, `seeds` paired against the `against` config: a sweep."""
         c = self.s["confirm"]
         best = sorted(self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)),
                       key=lambda t: t.value)[:c["best"]]
@@ -606,8 +613,10 @@ class Worker:
         spec = dict(name=f"{self.name}-confirm", config=self.spec["config"], seeds=c["seeds"],
                     overrides=self.spec["overrides"], baseline="base",
                     variants={"base": [], **{self.variant(t.number): t.user_attrs["overrides"] for t in best}},
-                    variant_configs={}, out=self.out / "confirm", ablation=False, clock="calibrated")
-        print(f"search:{self.name} confirming the best {len(best)} at the config's budget, seeds {c['seeds']}", flush=True)
+                    variant_configs={"base": c["against"]}, out=self.out / "confirm", ablation=False,
+                    clock="calibrated")
+        print(f"search:{self.name} confirming the best {len(best)} at the config's budget against {c['against']}, "
+              f"seeds {c['seeds']}", flush=True)
         return sweep.Sweep(spec, self.extra, nproc=1, jobs=self.jobs).run()
 
 

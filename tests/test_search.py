@@ -56,6 +56,7 @@ def trials(tmp_path, name="tiny"):
     (SPACE, {"prune": {"at": [0.3, 0.5]}}, "every fraction must be a multiple of the first (0.3)"),
     (SPACE, {"confirm": {"seeds": [1]}}, "confirm.seeds: expected at least two"),
     (SPACE, {"tirals": 3}, "unknown tirals"),
+    (SPACE, {"confirm": {"against": "configs/nope.yaml"}}, "confirm.against: config file"),
     ({"start": {"float": [0.2, 0.6]}}, {"templates": {"schedule.stage": [{"at": 0}]}},
      "templates: unknown config key schedule.stage"),
 ])
@@ -111,6 +112,23 @@ def test_a_draw_that_does_not_validate_is_failed_and_not_counted(tmp_path, built
     table = (tmp_path / "tiny" / f"trials-{worker.mhash}.md").read_text()
     assert table.count("| ok |") == 2 and "| invalid |" in table
     assert (tmp_path / "tiny" / f"history-{worker.mhash}.png").stat().st_size > 0
+
+
+def test_the_confirmation_pairs_the_best_trials_against_the_against_config(tmp_path, builtin_1024, monkeypatch):
+    """confirm.against makes the confirmation's base arm that config, with the trials on the search's."""
+    path = write_search(tmp_path, confirm={"best": 1, "seeds": [1, 2], "against": str(ROOT / "configs" / "cpu.yaml")})
+    worker = search.Worker(sweep.load_sweep(path), extra(tmp_path))
+    for number, value in enumerate((1.5, 1.4)):
+        worker.study.add_trial(optuna.trial.create_trial(
+            params={"optim.muon_lr": 0.01 * (number + 1)}, distributions={"optim.muon_lr": search.distribution(
+                "lr", SPACE["optim.muon_lr"])}, value=value, user_attrs={"overrides": [f"optim.muon_lr={value}"]}))
+    specs = []
+    monkeypatch.setattr(sweep, "Sweep", lambda spec, *args, **kwargs: specs.append(spec) or type(
+        "Ran", (), {"run": lambda self: 0})())
+    assert worker.confirm() == 0
+    (spec,) = specs
+    assert spec["variants"] == {"base": [], worker.variant(1): ["optim.muon_lr=1.4"]} and spec["seeds"] == [1, 2]
+    assert spec["variant_configs"] == {"base": str(ROOT / "configs" / "cpu.yaml")} and spec["config"] == str(SMOKE)
 
 
 def test_sigusr1_prunes_a_run_into_a_row_no_verdict_reads(tmp_path, builtin_1024):
