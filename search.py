@@ -1,6 +1,6 @@
 """The recipe search: Optuna trials of train.py under the calibrated clock, pruned on their curves.
 
-    python sweep.py SEARCH.yaml [--jobs N] [--storage URL] [--max-trials N] [--no-confirm] [key.sub=value ...]
+    python sweep.py SEARCH.yaml [--jobs N] [--storage URL] [--max-runs N] [--no-confirm] [key.sub=value ...]
 
 A search file is a sweep file (sweep.py) with a `search:` section instead of variants:
     name: dense_search
