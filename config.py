@@ -44,6 +44,8 @@ class DataConfig:
     source: str
     path: str
     tokenizer: str
+    tokenizer_kind: str
+    val_shard: str
     val_fraction: float
     seq_len: int
     prefetch: int
@@ -164,6 +166,9 @@ class BudgetConfig:
     seconds: float
     count_compile: bool
     max_steps: int
+    charge: str
+    startup_steps: int
+    startup_cap_s: float
     clock: str
     calibration: str
     reference_step_ms: float
@@ -175,6 +180,8 @@ class EvalConfig:
     batch_size: int
     every_seconds: float
     curve_tokens: int
+    kit_seq_len: int
+    kit_tokens: int
 
 
 @dataclass(frozen=True)
@@ -242,7 +249,8 @@ def one_of(*choices):
 CHECKS = {
     "run.name": (lambda v: v not in ("", ".", "..") and Path(v).name == v, "a plain name (no '/', not empty or '..')"),
     "run.seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2**32) (numpy's seed range)"),
-    "run.log_every": positive, "run.profile_steps": non_negative, "data.source": one_of("builtin", "shards"),
+    "run.log_every": positive, "run.profile_steps": non_negative, "data.source": one_of("builtin", "shards", "parquet"),
+    "data.tokenizer_kind": one_of("sentencepiece", "tiktoken"),
     "data.val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"), "data.seq_len": positive,
     "data.prefetch": non_negative, "data.order": one_of(*data.ORDERS),
     "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
@@ -263,9 +271,11 @@ CHECKS = {
     "optim.scalar_lr": non_negative, "optim.beta1": fraction, "optim.beta2": fraction,
     "optim.weight_decay": non_negative, "optim.warmup": fraction, "optim.warmdown": fraction,
     "optim.lr_floor": fraction, "optim.grad_clip": non_negative, "budget.seconds": positive,
-    "budget.max_steps": non_negative, "budget.clock": one_of("wall", "calibrated"),
+    "budget.max_steps": non_negative, "budget.charge": one_of("aion", "kit"),
+    "budget.startup_steps": positive, "budget.startup_cap_s": non_negative, "budget.clock": one_of("wall", "calibrated"),
     "budget.reference_step_ms": non_negative, "eval.tokens": non_negative, "eval.batch_size": positive,
     "eval.every_seconds": non_negative, "eval.curve_tokens": non_negative,
+    "eval.kit_seq_len": positive, "eval.kit_tokens": non_negative,
     "device.type": one_of("auto", "cpu", "cuda", "xla", "neuron"),
     "device.dtype": one_of("auto", "float32", "bfloat16"),
     "device.attn_dtype": one_of("auto", "float32", "compute"), "device.bf16": one_of("autocast", "weights"),
@@ -416,8 +426,19 @@ def validate(cfg: Config):
                           "SWEEP --calibrate-only) and budget.count_compile=false (compile time is not calibrated)")
     if b.clock == "wall" and (b.calibration or b.reference_step_ms):
         raise ConfigError("budget.calibration and budget.reference_step_ms need budget.clock=calibrated")
-    if cfg.data.source == "shards" and not cfg.data.tokenizer:
-        raise ConfigError("data.tokenizer: data.source=shards needs the sentencepiece .model of the shards")
+    d = cfg.data
+    if d.source == "shards" and not d.tokenizer:
+        raise ConfigError("data.tokenizer: data.source=shards needs the shards' tokenizer (a sentencepiece .model, or "
+                          "with data.tokenizer_kind=tiktoken a folder with tokenizer.pkl and token_bytes.pt)")
+    if d.source == "parquet" and (d.tokenizer_kind != "tiktoken" or not d.tokenizer):
+        raise ConfigError(f"data.source=parquet reads the kit's text with the kit's tokenizer: expected "
+                          f"data.tokenizer_kind=tiktoken and data.tokenizer=<folder with tokenizer.pkl and token_bytes.pt>, "
+                          f"got {d.tokenizer_kind} and {d.tokenizer!r}")
+    if d.val_shard and d.source != "parquet":
+        raise ConfigError(f"data.val_shard names a parquet file of data.path: needs data.source=parquet, got {d.source}")
+    if b.charge == "kit" and b.count_compile:
+        raise ConfigError("budget.count_compile: with budget.charge=kit every step after budget.startup_steps counts, "
+                          "compile included, and the startup before is free up to budget.startup_cap_s; expected false")
     stages = resolve_stages(cfg)
     if r.granularity == "block" and any(stage.doc_mask for stage in stages):
         raise ConfigError("model.doc_mask: a routed tile can hold the end of one document and the start of the "
@@ -574,7 +595,8 @@ RECIPE_IGNORED = frozenset([
     "run.name", "run.seed", "run.out_dir", "run.log_every", "run.precompile", "run.profile_steps",
     "data.path", "data.tokenizer", "data.prefetch", "eval.batch_size", "eval.every_seconds", "eval.curve_tokens",
     "device.compile_cache", "ledger.path", "ledger.notes", "ledger.sweep", "ledger.variant", "checkpoint.path",
-    "checkpoint.every_seconds", "checkpoint.resume", "budget.clock", "budget.calibration",
+    "checkpoint.every_seconds", "checkpoint.resume", "budget.clock", "budget.calibration", "data.val_shard",
+    "eval.kit_seq_len", "eval.kit_tokens",
 ])
 
 
@@ -586,7 +608,8 @@ RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_bucket
                   "model.skip_gates", "model.xsa_layers", "model.parallel_lanes", "optim.muon_ns",
                   "optim.muon_row_norm", "optim.muon_wd",
                   "optim.muon_momentum_start", "optim.muon_momentum_warmup", "schedule.grow_init",
-                  "budget.reference_step_ms", "device.attn_dtype", "mod.recur", "schedule.recur_gate")
+                  "budget.reference_step_ms", "device.attn_dtype", "mod.recur", "schedule.recur_gate",
+                  "data.tokenizer_kind", "budget.charge", "budget.startup_steps", "budget.startup_cap_s")
 
 
 @functools.cache

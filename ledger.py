@@ -29,8 +29,8 @@ COLUMNS = [
     "time", "run_id", "git_commit", "git_dirty", "config", "config_sha", "overrides", "device",
     "world_size", "seed", "data_sha", "params", "active_params", "budget_s", "train_s",
     "compile_s", "data_wait_s", "eval_s", "steps", "tokens", "tokens_per_s", "step_ms_p50",
-    "flops_per_token", "mfu", "val_loss", "val_bpb", "val_tokens", "val_bytes", "xla_compiles",
-    "peak_mem_mb", "stages", "status", "recipe", "sweep", "variant", "profile", "machine", "clock",
+    "flops_per_token", "mfu", "val_loss", "val_bpb", "val_tokens", "val_bytes", "kit_val_bpb",
+    "xla_compiles", "peak_mem_mb", "stages", "status", "recipe", "sweep", "variant", "profile", "machine", "clock",
     "calibration", "step_cost_ms", "notes",
 ]
 STATUSES = ("ok", "diverged", "failed", "interrupted", "pruned")  # pruned: stopped early by a search (search.py)
@@ -38,7 +38,7 @@ STATUSES = ("ok", "diverged", "failed", "interrupted", "pruned")  # pruned: stop
 NUMERIC_COLUMNS = frozenset([
     "world_size", "params", "active_params", "budget_s", "train_s", "compile_s", "data_wait_s",
     "eval_s", "steps", "tokens", "tokens_per_s", "step_ms_p50", "flops_per_token", "mfu",
-    "val_loss", "val_bpb", "val_tokens", "val_bytes", "xla_compiles", "peak_mem_mb",
+    "val_loss", "val_bpb", "val_tokens", "val_bytes", "kit_val_bpb", "xla_compiles", "peak_mem_mb",
 ])
 SHOW_COLUMNS = ["time", "run_id", "config", "device", "steps", "tokens_per_s", "mfu", "val_bpb",
                 "status", "notes"]
@@ -357,7 +357,8 @@ def verdict(a, b, higher_is_better, paired=False):
     return out
 
 
-METRICS = (("val_bpb", False), ("tokens_per_s", True))  # (column, higher is better)
+# (column, higher is better); kit_val_bpb (the competition kit's protocol) where every run of both arms has it
+METRICS = (("val_bpb", False), ("kit_val_bpb", False), ("tokens_per_s", True))
 
 
 def cost_ratio(rows_a, rows_b) -> dict:
@@ -384,6 +385,8 @@ def judge(rows_a, rows_b) -> dict:
     out = dict(pairs=common if len(common) > 1 else [])
     calibrated = all(r.get("clock") == "calibrated" for r in [*rows_a, *rows_b])
     for column, higher in METRICS:
+        if not all(r.get(column) for r in [*rows_a, *rows_b]):
+            continue
         if column == "tokens_per_s" and calibrated:
             out[column] = cost_ratio(rows_a, rows_b)
         elif out["pairs"]:
@@ -398,7 +401,7 @@ def verdict_lines(name_a, rows_a, name_b, rows_b):
     """The verdict table of B against A for every column of METRICS, and the line saying which test."""
     judged = judge(rows_a, rows_b)
     lines = [["metric", "arm", "n", "mean", "sd", "B - A", "95% CI", "p", "verdict", "seeds/arm"]]
-    for column, _ in METRICS:
+    for column in (column for column, _ in METRICS if column in judged):
         v = judged[column]
         seeds = ("-" if v["seeds"] is None else f">{MAX_SEEDS}" if v["seeds"] > MAX_SEEDS else str(v["seeds"]))
         ratio = "ratio" in v  # constants: no spread, no test

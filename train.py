@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import gzip
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -30,10 +31,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # the kit's scorer imports this file by its path alone
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 import clock
 import data
 import kernels
 import kernels.profile
+import kit
 import ledger
 from config import (BASE_CONFIG, ROOT, Config, ConfigError, DeviceConfig, accum_steps, build, depth_order, flatten,
                     load_chain, load_config, merge, recipe, resolve_stages, stage_rows)
@@ -57,10 +61,9 @@ PEAK_FLOPS = {
 HBM_BYTES = {"trn2-lnc1": 96 * 2**30 // 8, "trn2-lnc2": 96 * 2**30 // 4}  # a trn2 chip's 96 GiB over its logical cores
 
 
-def peak_device(on_trainium: bool, accelerator: str) -> str:
-    """The PEAK_FLOPS device: trn2 at NEURON_LOGICAL_NC_CONFIG (default 2) on Trainium, an H100 or H200 by name, or ""."""
-    return (f"trn2-lnc{os.environ.get('NEURON_LOGICAL_NC_CONFIG', '2')}" if on_trainium else
-            next((n for n in ("H100", "H200") if n in accelerator), ""))
+def peak_device(on_trainium: bool, accelerator: str, lnc: str) -> str:
+    """The PEAK_FLOPS device: trn2 at NEURON_LOGICAL_NC_CONFIG `lnc` on Trainium, an H100 or H200 by name, or ""."""
+    return f"trn2-lnc{lnc}" if on_trainium else next((n for n in ("H100", "H200") if n in accelerator), "")
 
 
 def compute_dtype(cfg: DeviceConfig, kind: str, on_trainium: bool) -> torch.dtype:
@@ -110,7 +113,8 @@ class Backend:
         else:
             self.device = torch.device("cpu")
         # What a step's speed depends on besides the CPU (clock.machine): the accelerator, if any.
-        self.accelerator = (peak_device(True, "") if self.on_trainium else
+        self.lnc = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2")  # the Neuron runtime's default
+        self.accelerator = (peak_device(True, "", self.lnc) if self.on_trainium else
                             torch.cuda.get_device_name(self.device) if self.kind == "cuda" else "")
         if cfg.compile_cache and self.kind != "xla":
             raise ConfigError(f"device.compile_cache is for device.type=xla, not {self.kind}")
@@ -208,7 +212,7 @@ class Backend:
 
     def peak_flops(self) -> tuple:
         """-> (FLOP/s, where it came from): PEAK_FLOPS for a known device, else measured here."""
-        name = peak_device(self.on_trainium, self.accelerator)
+        name = peak_device(self.on_trainium, self.accelerator, self.lnc)
         if (name, self.dtype) in PEAK_FLOPS:
             return PEAK_FLOPS[name, self.dtype], f"{name} datasheet"
         return self.measure_matmul_peak(), "measured"
@@ -350,7 +354,8 @@ def stage_flops(cfg: Config, model: GPT, stage) -> float:
 
 
 def open_data(cfg: Config):  # -> (train files, val files, tokenizer path, corpus fingerprint)
-    return data.open_data(cfg.data.source, cfg.data.path, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.val_fraction)
+    d = cfg.data
+    return data.open_data(d.source, d.path, d.tokenizer, cfg.model.vocab_size, d.val_fraction, d.tokenizer_kind, d.val_shard)
 
 
 def check_writable(directory: Path, key: str):
@@ -394,8 +399,10 @@ def check_memory(cfg: Config, backend: Backend):
 def xla_graphs(cfg: Config, stages, accum: int) -> int:
     """Graphs an XLA run compiles, however long (precompile runs them all): per stage its steady step (one per phase
     of a layer-routing rotation its micro-batches meet) and, where it first uses parameters (the run's first stage,
-    new layers, a loop's new gates or routers), its first step; eval; the routers' agreement read; optim.ema's swap."""
-    graphs, depth, passes = 1 + (cfg.mod.granularity in TILED) + bool(cfg.optim.ema), 0, 1
+    new layers, a loop's new gates or routers), its first step; eval; the routers' agreement read; optim.ema's swap;
+    the kit's protocol (load_for_eval's model on its rows), where the tokenizer is of the kit's kind."""
+    kit_scored = cfg.data.tokenizer_kind == "tiktoken" and cfg.eval.kit_tokens > 0
+    graphs, depth, passes = 1 + (cfg.mod.granularity in TILED) + bool(cfg.optim.ema) + kit_scored, 0, 1
     for stage in stages:
         period = rotation_period(cfg.mod, stage.capacity)
         graphs += period // math.gcd(period, accum) + (stage.depth > depth or stage.recur > passes and (
@@ -411,28 +418,36 @@ def stage_line(stage, model: GPT, flops: float) -> str:
 
 
 def plan_text(cfg: Config, config_path: str) -> str:
-    """--plan: a run of cfg from its config alone (no data read, no device touched, nothing compiled), on
-    WORLD_SIZE ranks; xla and neuron planned on trn2 at NEURON_LOGICAL_NC_CONFIG (default 2), cuda on this GPU."""
-    world, stages = int(os.environ.get("WORLD_SIZE", "1")), resolve_stages(cfg)
-    accum = accum_steps(cfg, world)
+    """--plan: a run of cfg from its config alone (no data read, no device touched, nothing compiled). xla and neuron
+    are planned on trn2 for each launch shape the kit allows (kit.LAUNCH_SHAPES), or for the one WORLD_SIZE and
+    NEURON_LOGICAL_NC_CONFIG (default 2) name; cpu and cuda (this GPU) on WORLD_SIZE ranks (default 1)."""
     kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device.type == "auto" else cfg.device.type
+    trn2, stages = kind in ("xla", "neuron"), resolve_stages(cfg)
+    shapes = [(world, str(lnc)) for lnc, world in kit.LAUNCH_SHAPES.items()] if trn2 and "WORLD_SIZE" not in os.environ \
+        else [(int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))]
     gpu = torch.cuda.get_device_name() if kind == "cuda" and torch.cuda.is_available() else ""
-    dtype, device = compute_dtype(cfg.device, kind, kind in ("xla", "neuron")), peak_device(kind in ("xla", "neuron"), gpu)
-    peak, hbm = PEAK_FLOPS.get((device, dtype)), HBM_BYTES.get(device)
+    dtype = compute_dtype(cfg.device, kind, trn2)
     with torch.device("meta"):  # shapes only: nothing allocated
         model = GPT(cfg.model, cfg.mod, passes=max(s.recur for s in stages), recur_gate=cfg.schedule.recur_gate)
-    lines = [f"plan config:{config_path} device:{kind} target:{device or kind} dtype:{str(dtype)[6:]} world_size:{world} "
-             f"params:{param_count(model)} tokens_per_step:{cfg.optim.batch_tokens} tokens_per_rank:"
-             f"{cfg.optim.batch_tokens // world} accum_steps:{accum} xla_graphs:{xla_graphs(cfg, stages, accum)}"]
-    for i, stage in enumerate(stages):
-        set_stage(model, cfg, stage)
-        flops, rank_tokens = stage_flops(cfg, model, stage), stage.batch_tokens // world
-        lines.append(f"stage:{i} {stage_line(stage, model, flops)} tokens_per_rank:{rank_tokens}" + (
-            f" step_s_at_40pct_mfu:{flops * rank_tokens / (0.4 * peak):.4f}" if peak else ""))
-    need, _, activations = memory_estimate(cfg, dtype == torch.bfloat16 and cfg.device.bf16 == "weights")
-    lines.append(f"memory_per_rank:{need / 2**30:.2f}GiB (estimate; activations {activations / 2**30:.2f}GiB)" + (
-        f" hbm_per_rank:{hbm / 2**30:g}GiB margin:{(hbm - need) / 2**30:.2f}GiB" if hbm else ""))
-    lines.append(f"peak_flops_per_rank:{peak:.4g} ({device} datasheet)" if peak else "peak:unknown (measured at run time)")
+    lines = []
+    for world, lnc in shapes:
+        accum, device = accum_steps(cfg, world), peak_device(trn2, gpu, lnc)
+        peak, hbm = PEAK_FLOPS.get((device, dtype)), HBM_BYTES.get(device)
+        lines.append(f"plan config:{config_path} device:{kind} target:{device or kind} dtype:{str(dtype)[6:]} world_size:"
+                     f"{world} params:{param_count(model)} tokens_per_step:{cfg.optim.batch_tokens} tokens_per_rank:"
+                     f"{cfg.optim.batch_tokens // world} accum_steps:{accum} xla_graphs:{xla_graphs(cfg, stages, accum)}")
+        if trn2:
+            lines.append("launch: " + (kit.launch_command(int(lnc), config_path) if kit.LAUNCH_SHAPES.get(int(lnc)) == world
+                                       else "not a shape the kit scores (one trn2 chip whole: kit.LAUNCH_SHAPES)"))
+        for i, stage in enumerate(stages):
+            set_stage(model, cfg, stage)
+            flops, rank_tokens = stage_flops(cfg, model, stage), stage.batch_tokens // world
+            lines.append(f"stage:{i} {stage_line(stage, model, flops)} tokens_per_rank:{rank_tokens}" + (
+                f" step_s_at_40pct_mfu:{flops * rank_tokens / (0.4 * peak):.4f}" if peak else ""))
+        need, _, activations = memory_estimate(cfg, dtype == torch.bfloat16 and cfg.device.bf16 == "weights")
+        lines.append(f"memory_per_rank:{need / 2**30:.2f}GiB (estimate; activations {activations / 2**30:.2f}GiB)" + (
+            f" hbm_per_rank:{hbm / 2**30:g}GiB margin:{(hbm - need) / 2**30:.2f}GiB" if hbm else ""))
+        lines.append(f"peak_flops_per_rank:{peak:.4g} ({device} datasheet)" if peak else "peak:unknown (measured at run time)")
     return "\n".join(lines)
 
 
@@ -445,7 +460,10 @@ class Trainer:
     """Holds everything of one run; `train()` is the loop, `step()` one optimizer step."""
 
     def __init__(self, cfg: Config, config_path="", overrides=()):
+        self.started = time.perf_counter()  # budget.charge=kit: the startup runs from here to step startup_steps' end
         self.cfg, self.config_path, self.overrides = cfg, str(config_path), list(overrides)
+        if cfg.budget.charge == "kit" and cfg.device.type in ("xla", "neuron"):  # a trn2 run, as the kit launches it
+            kit.check_launch(int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
         self.resumed = load_checkpoint(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
         if self.resumed:
             old = flatten({k: self.resumed["config"][k] for k in ("model", "mod")})
@@ -479,6 +497,8 @@ class Trainer:
             seed(cfg.run.seed)
         self.train_files, self.val_files, tokenizer, self.data_sha = open_data(cfg)
         self.bytes = data.ByteTable(tokenizer)
+        kit_scored = cfg.data.tokenizer_kind == "tiktoken" and cfg.eval.kit_tokens  # the kit's protocol, with its table
+        self.kit_bytes = data.kit_token_bytes(tokenizer) if kit_scored else None
         if self.bytes.vocab_size != cfg.model.vocab_size:
             raise data.DataError(f"tokenizer {tokenizer} has {self.bytes.vocab_size} tokens but "
                                  f"model.vocab_size is {cfg.model.vocab_size}")
@@ -562,7 +582,8 @@ class Trainer:
                 self.data_wait_s += self.loader.wait_s
             self.loader = data.TrainLoader(self.train_files, rows, stage.seq_len, cfg.model.vocab_size,
                                            rank=self.backend.rank, world_size=self.backend.world_size,
-                                           prefetch=cfg.data.prefetch, order=cfg.data.order, seed=cfg.run.seed)
+                                           prefetch=cfg.data.prefetch, order=cfg.data.order, seed=cfg.run.seed,
+                                           bos_id=self.bytes.bos_id)
             if self.loader_state is not None:
                 self.loader.load_state_dict(self.loader_state)  # before the batches fetched for the old shape
             self.inputs = self.fetch()
@@ -760,6 +781,21 @@ class Trainer:
         (nll,), (n_bytes, n_tokens) = nll.tolist(), counts.tolist()
         return nll / n_tokens, nll / (math.log(2) * n_bytes), n_tokens, n_bytes
 
+    def evaluate_kit(self, max_batches=0) -> float:
+        """The kit's protocol (kit.evaluate_bpb) on the checkpoint just written, as its scorer runs it: the model
+        load_for_eval returns, packed validation rows of eval.kit_seq_len, eval.kit_tokens of them, the kit's
+        token_bytes; on this rank alone (the kit scores on one device). -> val_bpb."""
+        e, start = self.cfg.eval, time.perf_counter()
+        model = load_for_eval(self.checkpoint_path, self.device)
+        rows = max(1, e.batch_size * self.cfg.data.seq_len // e.kit_seq_len)  # the tokens of one of evaluate's batches
+        batches = data.packed_val_batches(self.val_files, e.kit_seq_len, rows, self.cfg.model.vocab_size,
+                                          self.bytes.bos_id, e.kit_tokens)
+        bpb, _, n_bytes, tokens = kit.evaluate_bpb(model, itertools.islice(batches, max_batches or None), self.kit_bytes,
+                                                   self.backend)
+        self.log(f"kit val_bpb:{bpb:.6f} seq_len:{e.kit_seq_len} tokens:{tokens} bytes:{n_bytes} "
+                 f"eval_s:{time.perf_counter() - start:.2f}")
+        return bpb
+
     @torch.no_grad()
     def swap_ema(self):
         """optim.ema: exchange the weights the optimizers update with their moving average, in place (the
@@ -868,7 +904,7 @@ class Trainer:
         next_curve = self.train_s  # a point at the start (step 0), then every curve_every seconds of training
         loss_total = torch.zeros((), dtype=backend.sum_dtype, device=self.device)
         self.logged = (0.0, start_step)  # (loss_total, step) at the last log line
-        budget = cfg.budget.seconds
+        budget, kit_charge = cfg.budget.seconds, cfg.budget.charge == "kit"
         # Reading the loss is free on the CPU; elsewhere it is a host sync, so only every few steps.
         check_every = 1 if backend.kind == "cpu" else min(cfg.run.log_every, FINITE_CHECK_STEPS)
         # Profiled: the steps after the warm-up step and the first steady step (on XLA the one that
@@ -922,10 +958,17 @@ class Trainer:
                 compiling = elapsed if warmup else backend.compile_seconds() - compiled_s
                 self.compile_s += compiling
                 profile_s += elapsed if profiled else 0.0
+                startup = self.step_count <= cfg.budget.startup_steps  # budget.charge=kit: free up to startup_cap_s
                 if self.step_costs:  # calibrated: the stage's cost; free are the steps free in a run never resumed (its
-                    # first, its profiled ones, a stage's first under device.compile), so a resumed run gets its steps too
-                    free = self.step_count == 1 or 2 < self.step_count <= 2 + profile_end - profile_first
-                    self.train_s += 0.0 if free or self.compiled and self.timeline[-1][2] == 1 else self.step_costs[self.stage]
+                    # first, its profiled ones, a stage's first under device.compile; charge=kit: its startup steps), so
+                    # a resumed run gets its steps too
+                    free = startup if kit_charge else (self.step_count == 1 or 2 < self.step_count <= 2 + profile_end -
+                                                       profile_first or self.compiled and self.timeline[-1][2] == 1)
+                    self.train_s += 0.0 if free else self.step_costs[self.stage]
+                elif kit_charge:  # every step after the startup, compile and profile included, as the kit charges
+                    self.train_s += 0.0 if startup else elapsed
+                    if self.step_count == cfg.budget.startup_steps:
+                        self.train_s += max(0.0, time.perf_counter() - self.started - cfg.budget.startup_cap_s)
                 elif not profiled:
                     self.train_s += elapsed if cfg.budget.count_compile else elapsed - compiling
                 if not (compiling or profiled):
@@ -991,6 +1034,9 @@ class Trainer:
         if self.precompile:
             if status == "ok":
                 self.evaluate(cfg.eval.tokens, max_batches=1)  # result ignored: under graph extraction it is zeros
+                if self.kit_bytes is not None and self.is_main:
+                    self.save()
+                    self.evaluate_kit(max_batches=1)
                 compiles = backend.compile_stats()
             self.loader.close()
             self.log(f"precompile status:{status} steps:{self.step_count} eval_batches:1 xla_compiles:"
@@ -999,7 +1045,7 @@ class Trainer:
                 self.log_file.close()
                 self.metrics_file.close()
             return dict(status=status)
-        val_loss = val_bpb = val_tokens = val_bytes = failure = None
+        val_loss = val_bpb = val_tokens = val_bytes = kit_val_bpb = failure = None
         eval_s = 0.0
         try:
             if self.is_main and status in ("ok", "interrupted") and self.step_count > 0:
@@ -1007,12 +1053,14 @@ class Trainer:
             if status == "ok" and self.stop_signal is None:
                 start = time.perf_counter()
                 val_loss, val_bpb, val_tokens, val_bytes = self.evaluate(cfg.eval.tokens)
+                if self.kit_bytes is not None and self.is_main and self.stop_signal is None:
+                    kit_val_bpb = self.evaluate_kit()
                 eval_s = time.perf_counter() - start
                 compiles = backend.compile_stats()
             if status == "ok" and backend.agree(0.0, self.stop_signal is not None)[1]:  # during save or eval
-                status, val_loss, val_bpb, val_tokens, val_bytes = "interrupted", None, None, None, None
+                status, val_loss, val_bpb, val_tokens, val_bytes, kit_val_bpb = "interrupted", *[None] * 5
             if val_bpb is not None:
-                self.metric("final", eval_s=eval_s, val_loss=val_loss, val_bpb=val_bpb)
+                self.metric("final", eval_s=eval_s, val_loss=val_loss, val_bpb=val_bpb, kit_val_bpb=kit_val_bpb)
         except Exception as e:  # a full disk, a failing evaluation: the row still records the run
             status, error, failure = "failed", f"{type(e).__name__}: {e}", e
         tokens = self.tokens
@@ -1053,7 +1101,7 @@ class Trainer:
             data_wait_s=self.data_wait_s + self.loader.wait_s, eval_s=eval_s, steps=self.step_count, tokens=tokens,
             tokens_per_s=self.tokens_per_s, step_ms_p50=statistics.median(self.step_ms) if self.step_ms else None, flops_per_token=fpt,
             mfu=fpt * measured / (peak[0] * backend.world_size), val_loss=val_loss, val_bpb=val_bpb,
-            val_tokens=val_tokens, val_bytes=val_bytes, xla_compiles=compiles[0] if compiles else None,
+            val_tokens=val_tokens, val_bytes=val_bytes, kit_val_bpb=kit_val_bpb, xla_compiles=compiles[0] if compiles else None,
             peak_mem_mb=backend.peak_memory_mb(), status=status, notes="; ".join(notes), profile=self.profile_top,
             recipe=self.recipe, sweep=cfg.ledger.sweep, variant=cfg.ledger.variant, machine=self.machine,
             clock=cfg.budget.clock, calibration=self.calibration, step_cost_ms=" ".join(f"{c * 1000:.2f}" for c in self.step_costs or ()),

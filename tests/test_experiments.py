@@ -42,7 +42,7 @@ def test_recipe_ignores_exactly_the_fields_that_do_not_change_learning():
 
 
 # Runs in ledger.csv whose recipe today's configs must still give: (run id, overrides on top of the row's own).
-# Rows recorded before configs/cpu.yaml turned value embeddings and the bigram table on get them off again;
+# Rows recorded before configs/cpu.yaml (now configs/cpu_sp1024.yaml) turned value embeddings and the bigram table on get them off again;
 # every one of them had cpu.yaml's heads before issue 27 (4 of 24, 2 KV heads).
 OLD_HEADS = ("model.n_head=4", "model.n_kv_head=2")
 OLD_CPU = ("model.value_embed=false", "model.bigram_buckets=0")
@@ -52,10 +52,19 @@ RECORDED = [("cpu-20261201-152908-fa5f", ()), ("mod-20261201-153204-3f75", ()), 
             ("cpu-20261201-141925-f52f", OLD_CPU)]
 
 
+def on_sp1024(path: Path, tmp_path: Path) -> Path:
+    """A config recorded when configs/cpu.yaml was today's configs/cpu_sp1024.yaml, rebased onto that file."""
+    if path.name == "cpu.yaml":
+        return ROOT / "configs" / "cpu_sp1024.yaml"
+    copy = tmp_path / path.name
+    copy.write_text(path.read_text().replace("base: cpu.yaml", f"base: {ROOT / 'configs' / 'cpu_sp1024.yaml'}"))
+    return copy
+
+
 @pytest.mark.parametrize("run_id, extra", RECORDED)
-def test_recipes_recorded_in_the_ledger_are_unchanged(run_id, extra):
+def test_recipes_recorded_in_the_ledger_are_unchanged(tmp_path, run_id, extra):
     (row,) = [r for r in ledger.read(ROOT / "ledger.csv") if r["run_id"] == run_id]
-    cfg = config.load_config(ROOT / row["config"], [*OLD_HEADS, *row["overrides"].split(), *extra])
+    cfg = config.load_config(on_sp1024(ROOT / row["config"], tmp_path), [*OLD_HEADS, *row["overrides"].split(), *extra])
     assert config.recipe(config.flatten(dataclasses.asdict(cfg)), row["data_sha"]) == row["recipe"]
 
 
