@@ -42,6 +42,7 @@ def evaluate_bpb(model, batches, token_bytes: torch.Tensor, backend) -> tuple:
     token_bytes = token_bytes.to(backend.device)
     nats = torch.zeros(1, dtype=backend.sum_dtype).to(backend.device)
     counts = torch.zeros(2, dtype=torch.int64).to(backend.device)  # bytes, scored tokens
+    backend.mark_step()  # XLA: the model's 0-dim buffers become graph constants; made here, every batch is one graph
     for x, y in batches:
         x, y = x.to(backend.device), y.to(backend.device).flatten()
         nll = F.cross_entropy(model(x).float().flatten(0, 1), y, reduction="none")

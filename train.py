@@ -400,9 +400,9 @@ def xla_graphs(cfg: Config, stages, accum: int) -> int:
     """Graphs an XLA run compiles, however long (precompile runs them all): per stage its steady step (one per phase
     of a layer-routing rotation its micro-batches meet) and, where it first uses parameters (the run's first stage,
     new layers, a loop's new gates or routers), its first step; eval; the routers' agreement read; optim.ema's swap;
-    the kit's protocol (load_for_eval's model on its rows), where the tokenizer is of the kit's kind."""
+    the kit's protocol, where the tokenizer is of the kit's kind: load_for_eval's model's scalar buffers, its rows."""
     kit_scored = cfg.data.tokenizer_kind == "tiktoken" and cfg.eval.kit_tokens > 0
-    graphs, depth, passes = 1 + (cfg.mod.granularity in TILED) + bool(cfg.optim.ema) + kit_scored, 0, 1
+    graphs, depth, passes = 1 + (cfg.mod.granularity in TILED) + bool(cfg.optim.ema) + 2 * kit_scored, 0, 1
     for stage in stages:
         period = rotation_period(cfg.mod, stage.capacity)
         graphs += period // math.gcd(period, accum) + (stage.depth > depth or stage.recur > passes and (

@@ -117,7 +117,7 @@ def test_a_calibration_that_does_not_fit_the_run_is_refused(tmp_path, builtin_10
     # A stage without a loop keeps the key it had before loops existed (committed calibrations stay valid);
     # a loop, its span and its pass count are costs; a switch point in tokens is not.
     step_confirm = clock.read(ROOT / "sweeps" / "step_confirm" / "calibration-31b02d1d.json")
-    cfg = load_config(ROOT / "configs" / "cpu.yaml", args(tmp_path, "eval.every_seconds=0", "budget.reference_step_ms=0",
+    cfg = load_config(ROOT / "configs" / "cpu_sp1024.yaml", args(tmp_path, "eval.every_seconds=0", "budget.reference_step_ms=0",
                                                           "model.n_head=4", "model.n_kv_head=2"))
     flat, data_sha = config.flatten(dataclasses.asdict(cfg)), train.open_data(cfg)[3]
     assert clock.stage_key(flat, data_sha, config.resolve_stages(cfg)[0]) == step_confirm["baseline"]

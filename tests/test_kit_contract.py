@@ -195,23 +195,6 @@ def test_the_kit_task_trains_to_a_row_with_both_val_bpb_figures(tmp_path, kit_ta
     assert float(row["kit_val_bpb"]) == pytest.approx(nats / (math.log(2) * n_bytes), rel=1e-5)
 
 
-def test_the_kit_clock_frees_the_startup_steps(tmp_path, kit_task):
-    """budget.charge=kit under the calibrated clock: the first startup_steps steps cost nothing, each later one its
-    stage's cost, compile included (AION's charge frees the first step and the profiled ones instead)."""
-    calibration = tmp_path / "calibration.json"
-    args = kit_args(tmp_path, kit_task, "budget.max_steps=9", "budget.clock=calibrated",
-                    f"budget.calibration={calibration}", "budget.charge=kit", "budget.startup_steps=5")
-    cfg = load_config(SMOKE, args)
-    key = clock.stage_key(config.flatten(dataclasses.asdict(cfg)), train.open_data(cfg)[3], config.resolve_stages(cfg)[0])
-    clock.write(calibration, dict(version=clock.VERSION, id="c0ffee000002", machine=clock.machine(), date="-", method={},
-                                  baseline=key, stages={key: dict(name="kit/0", config=str(SMOKE), overrides=[],
-                                                                  dtype="float32", step_ms=250.0, ratio=1.0, se=0.0,
-                                                                  round_ms=[250.0])}))
-    assert train.main(["--config", str(SMOKE), *args]) == 0
-    row, = ledger.read(tmp_path / "ledger.csv")
-    assert float(row["train_s"]) == pytest.approx((9 - 5) * 0.25)
-
-
 class RunsCode:
     def __reduce__(self):
         return (os.system, ("echo pwned",))
@@ -281,3 +264,48 @@ def test_a_launch_the_kit_does_not_score_is_refused(tmp_path, monkeypatch, capsy
     assert "WORLD_SIZE=2 at NEURON_LOGICAL_NC_CONFIG=2" in err and "8 processes at NEURON_LOGICAL_NC_CONFIG=1" in err
     for lnc, world in kit.LAUNCH_SHAPES.items():
         kit.check_launch(world, str(lnc))  # the two whole-chip shapes pass
+
+
+def calibrated(tmp_path, args) -> list:
+    """args plus the calibrated clock with a hand-written calibration of their one stage (250 ms a step)."""
+    path = tmp_path / "calibration.json"
+    args = [*args, "budget.clock=calibrated", f"budget.calibration={path}"]
+    cfg = load_config(SMOKE, args)
+    key = clock.stage_key(config.flatten(dataclasses.asdict(cfg)), train.open_data(cfg)[3], config.resolve_stages(cfg)[0])
+    stage = dict(name="kit/0", config=str(SMOKE), overrides=[], dtype="float32", step_ms=250.0, ratio=1.0, se=0.0,
+                 round_ms=[250.0])
+    clock.write(path, dict(version=clock.VERSION, id="c0ffee000002", machine=clock.machine(), date="-", method={},
+                           baseline=key, stages={key: stage}))
+    return args
+
+
+def test_the_kit_clock_frees_the_startup_steps(tmp_path, kit_task):
+    """budget.charge=kit under the calibrated clock: the first startup_steps steps cost nothing, each later one its
+    stage's cost, compile included (AION's charge frees the first step and the profiled ones instead)."""
+    args = calibrated(tmp_path, kit_args(tmp_path, kit_task, "budget.max_steps=9", "budget.charge=kit",
+                                         "budget.startup_steps=5"))
+    assert train.main(["--config", str(SMOKE), *args]) == 0
+    row, = ledger.read(tmp_path / "ledger.csv")
+    assert float(row["train_s"]) == pytest.approx((9 - 5) * 0.25)
+
+
+@pytest.mark.parametrize("cap,charged", [(900, False), (0, True)])
+def test_the_kit_clock_charges_a_startup_past_its_cap(tmp_path, kit_task, cap, charged):
+    """On the wall clock: a run of exactly startup_steps steps is free while its startup stays under the cap; with
+    a cap of 0 its whole startup (from the trainer's start) is charged."""
+    args = kit_args(tmp_path, kit_task, "budget.max_steps=5", "budget.charge=kit", f"budget.startup_cap_s={cap}")
+    assert train.main(["--config", str(SMOKE), *args]) == 0
+    row, = ledger.read(tmp_path / "ledger.csv")
+    assert (float(row["train_s"]) > 0) == charged
+
+
+def test_a_packed_run_resumed_is_the_uninterrupted_run_to_the_bit(tmp_path, kit_task):
+    """The packed loader's state (buffer and stream position) in the checkpoint: 3 steps, a resume to 6, against 6."""
+    whole = calibrated(tmp_path, kit_args(tmp_path, kit_task, "budget.max_steps=6", "data.prefetch=2"))
+    train.main(["--config", str(SMOKE), *whole, f"checkpoint.path={tmp_path / 'whole.pt'}"])
+    train.main(["--config", str(SMOKE), *whole, "budget.max_steps=3", f"checkpoint.path={tmp_path / 'half.pt'}"])
+    train.main(["--config", str(SMOKE), *whole, f"checkpoint.resume={tmp_path / 'half.pt'}",
+                f"checkpoint.path={tmp_path / 'resumed.pt'}"])
+    a, b = (train.load_checkpoint(tmp_path / name) for name in ("whole.pt", "resumed.pt"))
+    assert a["step"] == b["step"] == 6 and a["loader"] == b["loader"] and a["loader"]["order"] == "packed"
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

@@ -453,14 +453,15 @@ CPU_ALL_ON = (*[o for o in ALL_ON if o != "model.gate_window=8"], "optim.warmdow
 @pytest.mark.parametrize("backend", ["device.compile=true", pytest.param("device.type=xla", marks=pytest.mark.xla)])
 def test_cpu_yaml_with_every_item_on_trains(tmp_path, builtin_1024, backend):
     args = ["--config", str(ROOT / "configs" / "cpu.yaml"), *smoke_args(tmp_path)[2:], *CPU_ALL_ON, backend,
-            "budget.max_steps=24", "run.log_every=8", "eval.every_seconds=0", "eval.tokens=16384",
+            "budget.max_steps=24", "run.log_every=8", "eval.every_seconds=0", "eval.tokens=16384", "eval.kit_tokens=16384",
             "checkpoint.every_seconds=0", "run.profile_steps=0"]
     out = run(args)
     row, = ledger.read(tmp_path / "ledger.csv")
     assert row["status"] == "ok" and row["steps"] == "24" and math.isfinite(float(row["val_bpb"]))
+    assert math.isfinite(float(row["kit_val_bpb"]))  # cpu.yaml is on the competition's task: the kit's protocol too
     assert all(math.isfinite(float(line.split("loss:")[1].split()[0])) for line in out.splitlines() if " loss:" in line)
     if backend == "device.type=xla":
-        assert int(row["xla_compiles"]) == XLA_GRAPHS
+        assert int(row["xla_compiles"]) == XLA_GRAPHS + 2  # and the kit's protocol's two (kit.evaluate_bpb)
     else:
         assert note(row, "compiled_graphs") == "2"
 
