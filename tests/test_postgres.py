@@ -5,6 +5,7 @@ a URL Optuna cannot use is named before any trial. Tiny smoke trials, stopped by
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -106,19 +107,28 @@ def test_a_killed_workers_trial_waits_for_its_own_host(tmp_path, builtin_1024, d
     first = worker(path, database, "a", tmp_path / "a.log")
     other = worker(path, database, "b", tmp_path / "b.log")
 
-    def trial_of_a_at_step_5():
+    stopped = {}
+
+    def stop_trial_of_a() -> bool:
+        """Host a's trial once its run is past step 20 (its loss below a uniform guess: a run stopped
+        earlier may be judged diverged), its run then stopped (SIGSTOP) so that it is killed there."""
         if not optuna.get_all_study_summaries(database):
-            return None
+            return False
         for t in study(database).get_trials(states=(optuna.trial.TrialState.RUNNING,)):
             log = tmp_path / "tiny" / "trials" / f"{study(database).study_name.split('-')[-1]}-t{t.number:03d}.log"
-            if t.user_attrs.get("host") == "a" and log.is_file() and "\nstep:5 " in log.read_text():
-                return t
-        return None
+            if t.user_attrs.get("host") == "a" and log.is_file() and "\nstep:20 " in log.read_text():
+                for child in Path(f"/proc/{first.pid}/task/{first.pid}/children").read_text().split():
+                    if "train.py" in Path(f"/proc/{child}/cmdline").read_text():
+                        os.kill(int(child), signal.SIGSTOP)
+                        stopped.update(trial=t, run=int(child))
+                        return True
+        return False
 
-    wait_for(trial_of_a_at_step_5, first)
-    killed = trial_of_a_at_step_5()
+    wait_for(stop_trial_of_a, first)
+    killed, run = stopped["trial"], stopped["run"]
     first.kill()
     first.wait()
+    os.kill(run, signal.SIGCONT)  # it gets its parent's death (SIGTERM): checkpoint, interrupted row
     wait_for(lambda: any(r["status"] == "interrupted" for r in ledger.read(tmp_path / "a" / "ledger.csv")), other)
     assert other.wait(timeout=900) == 0
     out = (tmp_path / "b.log").read_text()
