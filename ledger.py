@@ -7,6 +7,7 @@ train.py calls append(path, row) at the end of every run; people read the ledger
     python ledger.py plot curves ARM [ARM ...] --out curves.png [--runs-dir runs]
     python ledger.py plot variants SWEEP --out variants.png
     python ledger.py migrate PATH   (an older schema -> PATH's name with .migrated.csv, beside it)
+    python ledger.py merge A.csv B.csv ... --out ledger.csv   (hosts' ledgers -> one, each run once)
 where a run id may be abbreviated to a unique prefix, and an arm is a set of ok runs named by a
 recipe, SWEEP/VARIANT, a config name, a run id prefix or a notes tag, and is always one recipe
 (see `arm`). The verdict uses scipy, the plots matplotlib, and a config's arm config.py (for the
@@ -124,10 +125,10 @@ def check_header(path):
             raise header_error(path, header)
 
 
-def read_checked(path):
+def read_checked(path, torn=None):
     """-> (rows, problems): the well-formed rows as dicts of strings (empty cells are ""), and one
-    message per torn or malformed row (wrong number of fields, unknown status) with its line number.
-    A missing ledger has no rows."""
+    message per torn or malformed row (wrong number of fields, unknown status) with its line number;
+    `torn`, a list, gets (problem, cells) of each. A missing ledger has no rows."""
     if not os.path.exists(path):
         return [], []
     rows, problems = [], []
@@ -141,7 +142,9 @@ def read_checked(path):
             except StopIteration:
                 break
             except csv.Error as e:
-                problems.append(f"{path} line {line}: unreadable row ({e})")
+                problems.append(f"{path} line {line}: unreadable row ({e}); the rest of the file not read")
+                if torn is not None:
+                    torn.append((problems[-1], []))
                 break
             row = dict(zip(header, cells))
             if len(cells) != len(header):
@@ -150,6 +153,9 @@ def read_checked(path):
                 problems.append(f"{path} line {line}: status {row['status']!r}, expected one of {', '.join(STATUSES)}")
             else:
                 rows.append(row)
+                continue
+            if torn is not None:
+                torn.append((problems[-1], cells))
     return rows, problems
 
 
@@ -176,6 +182,40 @@ def migrate(path):
         f.write(_csv_line(COLUMNS) + "".join(_csv_line([row.get(c, "") for c in COLUMNS]) for row in rows))
     os.replace(tmp, out)
     return out, problems
+
+
+def merge(paths, out):
+    """Hosts' ledgers -> one new ledger at `out`: every run's row once (by run_id; the same run_id
+    with other content is an error naming it), oldest first. Each file must have the header COLUMNS.
+    Torn or malformed rows go to <out>.torn.csv (problem, cells), never into the ledger and never
+    dropped. -> (rows written, problems, the torn file or None)."""
+    out = Path(out)
+    if out.exists():
+        raise LedgerError(f"{out} exists; a merge writes a new ledger: give another --out")
+    runs, problems, torn = {}, [], []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise LedgerError(f"{path}: no such ledger")
+        check_header(path)
+        rows, found = read_checked(path, torn)
+        problems += found
+        for row in rows:
+            first, where = runs.setdefault(row["run_id"], (row, path))
+            if first != row:
+                differ = ", ".join(c for c in COLUMNS if first[c] != row[c])
+                raise LedgerError(f"run {row['run_id']}: its rows in {where} and {path} differ (in {differ}); "
+                                  f"a run has one row: which is right cannot be told here")
+    rows = sorted((row for row, _ in runs.values()), key=lambda r: (r["time"], r["run_id"]))
+    torn_path = out.with_name(out.stem + ".torn.csv") if torn else None
+    if torn_path:
+        with open(torn_path, "w", newline="") as f:
+            csv.writer(f, lineterminator="\n").writerows([["problem", "the row's cells, as read"]]
+                                                          + [[problem, *cells] for problem, cells in torn])
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(_csv_line(COLUMNS) + "".join(_csv_line([row[c] for c in COLUMNS]) for row in rows))
+    os.replace(tmp, out)
+    return len(rows), problems, torn_path
 
 
 def _table(rows):
@@ -537,7 +577,21 @@ def main(argv=None):
         sub.add_argument("--path", default=LEDGER, help="ledger CSV")
     migrate_parser = commands.add_parser("migrate", help="an older ledger with the current columns, beside it")
     migrate_parser.add_argument("path")
+    merge_parser = commands.add_parser("merge", help="hosts' ledgers into one new ledger, each run once")
+    merge_parser.add_argument("paths", nargs="+", help="ledger CSVs (each with the header ledger.COLUMNS)")
+    merge_parser.add_argument("--out", required=True, help="the merged ledger to write (a new file)")
     args = parser.parse_args(argv)
+
+    if args.command == "merge":
+        try:
+            n, problems, torn = merge(args.paths, args.out)
+        except (LedgerError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for problem in problems:
+            print(f"warning: set apart in {torn}: {problem}", file=sys.stderr)
+        print(f"wrote {args.out}: {n} runs from {len(args.paths)} ledgers")
+        return 0
 
     if args.command == "migrate":
         try:

@@ -55,9 +55,15 @@ def take(path, **info):
             current = None
         if current and (current.st_dev, current.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
             found = read(fd)
-            return Lock(path, fd, dict(host=socket.gethostname(), pid=os.getpid(), **info,
+            return Lock(path, fd, dict(host=host(), pid=os.getpid(), **info,
                                        since=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))), found
         os.close(fd)
+
+
+def host() -> str:
+    """This machine's name in locks and in a search's trials: $AION_HOST, else the host name. Set it
+    where two machines share a host name (containers), or to run two workers of a study as two hosts."""
+    return os.environ.get("AION_HOST") or socket.gethostname()
 
 
 def read(fd) -> dict:
@@ -98,7 +104,7 @@ def holder(info: dict) -> str:
     """Who a lock file names: its pids, and on this machine whether each still runs."""
     if not info.get("pid"):
         return "no holder named (the file was empty or torn)"
-    here = info.get("host") == socket.gethostname()
+    here = info.get("host") == host()
     pids = [f"{name} {info[key]}" + ((" alive" if alive(info[key]) else " dead") if here else "")
             for key, name in (("pid", "pid"), ("child", "child pid")) if info.get(key)]
     return (f"{info.get('what', '-')}: {', '.join(pids)} on host {info.get('host')}"

@@ -42,31 +42,37 @@ running trials (SIGSTOP, then SIGCONT however it ends; each trial records which 
 worker per machine (with --jobs N): a second worker's trials would run on beside the first's calibrations.
 
 The study lives in an Optuna storage: by default the journal file sweeps/<name>/study.journal; any
-URL Optuna takes (postgresql://, mysql://, or a journal file on a shared file system) with --storage.
+URL Optuna takes (postgresql://, mysql://, or a journal file on a shared file system) with --storage,
+opened before any trial (a URL it cannot use is an error naming it). A database's calls wait out its
+loss (a restart) for up to RETRY_S, each retried on a new connection (RetryingStorage).
 A study is one machine kind: its name is <name>-<machine> (the calibration's machine hash: CPU
 model, ISA flags, threads, torch), because a trial's steps and dtype depend on the machine; on
 another kind the same command starts that kind's study and leaves the other's trials as they are.
 Workers on several machines of a kind share its study. kill -9 of a worker: its running trials get
 SIGTERM (checkpoint, interrupted row) and stay RUNNING in the study; the same command on the same
 host takes each over (its lock, locks.py, tells whether its run still goes) and resumes it from its
-checkpoint; one that had finished is told from its row. Output, in sweeps/<name>/: trials-<machine>.md
-(best first), history, importance and slice plots, and confirm/verdict.md (sweep.py's table).
+checkpoint; one that had finished is told from its row. A host is $AION_HOST, else its name (locks.host).
+Output, in sweeps/<name>/: trials-<machine>.md (best first), history, importance and slice plots,
+and confirm/verdict.md (sweep.py's table).
 """
 import dataclasses
 import difflib
 import fcntl
+import functools
 import hashlib
+import inspect
 import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import optuna
+import sqlalchemy
 
 import clock
 import ledger
@@ -79,6 +85,7 @@ COUNTED = ("ok", "pruned", "diverged", "failed")  # outcomes of trials that ran
 # Validation before the calibration exists: the clock the trials will run under (the file is read only by a run).
 CHECKED_CLOCK = ("budget.clock=calibrated", "budget.calibration=unread.json")
 PRUNE_AFTER = 5  # default prune.after: finished trials before the pruner judges anyone
+RETRY_S = 600  # how long a worker waits out a database it lost (a restart, a failover) before it gives up
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
@@ -86,8 +93,9 @@ class SearchError(sweep.SweepError):
     pass
 
 
-def load(path: Path, doc: dict) -> dict:
-    """The `search:` section of a sweep file, checked -> the sweep dict of sweep.load_sweep plus `search`."""
+def load(path: Path, doc: dict = None) -> dict:
+    """A search file (a sweep file with `search:`), checked -> the sweep dict of sweep.load_sweep plus `search`."""
+    doc = sweep.read_file(path) if doc is None else doc
     where = f"{path}: search"
     s = doc["search"]
     if not isinstance(s, dict) or set(s) - KEYS:
@@ -259,6 +267,94 @@ def check_space(spec, where, keys: dict):
                                   f"other keys ({first})")
 
 
+def open_storage(storage, journal: Path):
+    """--storage -> an Optuna storage: a journal file (default `journal`), or a database URL, reached
+    here, so that a URL Optuna cannot use is named before any trial."""
+    if storage is None or "://" not in storage:
+        Path(storage or journal).parent.mkdir(parents=True, exist_ok=True)
+        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(storage or journal)))
+    shown = hidden(storage)
+    for _ in range(3):
+        try:
+            return RetryingStorage(storage, engine_kwargs={"pool_pre_ping": True})  # a connection cut: a new one
+        except (ImportError, sqlalchemy.exc.ArgumentError) as e:  # an unknown dialect, a missing driver, no URL
+            raise SearchError(f"--storage {shown}: Optuna cannot use this URL ({first_line(e.__cause__ or e)}); "
+                              f"expected postgresql://USER:PASSWORD@HOST[:PORT]/DATABASE (driver psycopg), another "
+                              f"database URL SQLAlchemy has a driver for here, or a journal file's path") from None
+        except sqlalchemy.exc.OperationalError as e:
+            raise SearchError(f"--storage {shown}: cannot open the database ({first_line(e.orig or e)}); expected a "
+                              f"running server that takes this user, password and database") from None
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError, sqlalchemy.exc.InternalError) as e:
+            error = e  # in a new database, another worker was creating Optuna's tables too: they exist now
+    raise SearchError(f"--storage {shown}: cannot create Optuna's tables in it ({first_line(error.orig)}); expected a "
+                      f"database this user may create tables in") from None
+
+
+def hidden(url: str) -> str:
+    try:
+        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+    except sqlalchemy.exc.ArgumentError:
+        return url
+
+
+def first_line(error) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+CALLS = threading.local()  # .inside: a retried call is running (the calls it makes are not retried on their own)
+
+
+def retried(method):
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if getattr(CALLS, "inside", False):
+            return method(self, *args, **kwargs)
+        deadline, pause, lost = time.monotonic() + RETRY_S, 0.1, None
+        while True:
+            CALLS.inside = True
+            try:
+                result = method(self, *args, **kwargs)
+            except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError,
+                    optuna.exceptions.StorageInternalError) as e:  # Optuna's, raised from SQLAlchemy's
+                cause = e.__cause__ if isinstance(e, optuna.exceptions.StorageInternalError) else e
+                if not isinstance(cause, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError)):
+                    raise
+                if time.monotonic() > deadline:
+                    raise SearchError(f"--storage {hidden(self.url)}: the database has been unreachable for "
+                                      f"{RETRY_S} s ({first_line(cause.orig or cause)})") from None
+                if lost is None:
+                    lost = time.monotonic()
+                    print(f"search: lost the database {hidden(self.url)} ({first_line(cause.orig or cause)}); "
+                          f"waiting for it (up to {RETRY_S} s)", flush=True)
+            else:
+                if lost is not None:
+                    print(f"search: the database {hidden(self.url)} is back after {time.monotonic() - lost:.1f} s",
+                          flush=True)
+                return result
+            finally:
+                CALLS.inside = False
+            time.sleep(pause)
+            pause = min(2 * pause, 5)
+            if self.stopped:
+                raise SearchError(f"--storage {hidden(self.url)}: stopped by a signal while the database was "
+                                  f"unreachable; run the same command to resume")
+    return call
+
+
+class RetryingStorage(optuna.storages.RDBStorage):
+    """Optuna's RDBStorage, each call of which waits out a lost database (a restart, a failover) for
+    up to RETRY_S: a call that failed on its connection is made again. Optuna's own answer, heartbeats
+    with RetryFailedTrialCallback, beats only inside study.optimize (not ask and tell) and fails a
+    silent trial, to start a copy of it on any worker; here a trial belongs to its host, which
+    resumes it from its checkpoint, and the worker outlives the outage."""
+    stopped = False  # set by the worker's SIGINT or SIGTERM: it stops waiting
+
+
+for _name, _method in vars(optuna.storages.RDBStorage).items():
+    if inspect.isfunction(_method) and not _name.startswith("__"):
+        setattr(RetryingStorage, _name, retried(_method))
+
+
 def machine_hash(here: str) -> str:
     return hashlib.sha256(here.encode()).hexdigest()[:8]
 
@@ -271,14 +367,12 @@ class Worker:
         self.s, self.name, self.out = spec["search"], spec["name"], spec["out"]
         self.base = self.sweep_for("base", [])  # the calibration's machine, file and baseline
         self.mhash = machine_hash(self.base.here)
+        self.storage = open_storage(storage, self.out / "study.journal")
         self.out.mkdir(parents=True, exist_ok=True)
-        if storage is None or "://" not in storage:
-            journal = Path(storage or self.out / "study.journal")
-            storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
         self.study_name = f"{self.name}-{self.mhash}"
         pruner = (optuna.pruners.PercentilePruner(self.s["prune"]["keep"] * 100, n_startup_trials=self.s["prune"]["after"])
                   if self.s["prune"] else optuna.pruners.NopPruner())
-        self.study = optuna.create_study(study_name=self.study_name, storage=storage, pruner=pruner,
+        self.study = optuna.create_study(study_name=self.study_name, storage=self.storage, pruner=pruner,
                                          direction="minimize", load_if_exists=True)
         # Seeded by the search's seed, the study's size and the pid: a resumed or second worker
         # never replays another's draws (Optuna's random start-up trials come from this seed).
@@ -309,7 +403,7 @@ class Worker:
     def orphan(self):
         """A RUNNING trial of this host whose lock nobody holds (its worker died) -> taken over."""
         for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            if (t.number in self.running or t.user_attrs.get("host") != socket.gethostname()
+            if (t.number in self.running or t.user_attrs.get("host") != locks.host()
                     or "overrides" not in t.user_attrs or locks.alive(t.user_attrs["pid"])):
                 continue
             runner = self.sweep_for(self.variant(t.number), t.user_attrs["overrides"])
@@ -337,7 +431,7 @@ class Worker:
             if len(self.counted()) >= self.s["trials"]:
                 return None
             trial = self.study.ask(self.s["space"])
-            trial.set_user_attr("host", socket.gethostname())
+            trial.set_user_attr("host", locks.host())
             trial.set_user_attr("pid", os.getpid())
             ahead = [t for t in self.counted() if t.number < trial.number]
             if len(ahead) >= self.s["trials"]:  # another worker asked first
@@ -505,6 +599,8 @@ class Worker:
 
     def on_signal(self, signum, frame):
         self.stop_signal = signum
+        if isinstance(self.storage, RetryingStorage):  # a call waiting for the database ends
+            self.storage.stopped = True
         if self.calibrating:  # it continues the trials it paused, which then save and stop
             self.calibrating.send_signal(signum)
         for record in self.running.values():
@@ -657,6 +753,14 @@ def signal_pid(pid, signum):
         os.kill(pid, signum)
     except ProcessLookupError:  # it ended meanwhile
         pass
+
+
+def main(path: Path, doc: dict, args) -> int:
+    """`python sweep.py SEARCH.yaml ...` (sweep.main's arguments): one worker of the search."""
+    if args.nproc > 1 or args.calibrate_only:
+        raise SearchError(f"{path}: a search runs one process per trial and calibrates each trial itself "
+                          f"(no --nproc, no --calibrate-only)")
+    return Worker(load(path, doc), args.overrides, args.jobs, args.storage, args.max_runs).run(not args.no_confirm)
 
 
 if __name__ == "__main__":

@@ -108,17 +108,20 @@ def plain_name(name, what):
     return name
 
 
-def load_sweep(path: Path) -> dict:
-    """A sweep file -> dict(name, config, seeds, overrides, baseline, variants {name: overrides}, out)."""
+def read_file(path: Path) -> dict:
+    """A sweep (or search) file's YAML mapping."""
     try:
         doc = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise SweepError(f"{path}: cannot read a sweep from it: {e}") from None
     if not isinstance(doc, dict):
         raise SweepError(f"{path}: expected a mapping with name, config, seeds and variants")
-    if "search" in doc:  # a search (search.py), which imports this file
-        import search
-        return search.load(path, doc)
+    return doc
+
+
+def load_sweep(path: Path, doc: dict = None) -> dict:
+    """A sweep file -> dict(name, config, seeds, overrides, baseline, variants {name: overrides}, out)."""
+    doc = read_file(path) if doc is None else doc
     unknown = set(doc) - {"name", "config", "seeds", "overrides", "baseline", "variants", "grid", "clock"}
     if unknown:
         raise SweepError(f"{path}: unknown keys {', '.join(sorted(unknown))}; expected name, config, seeds, "
@@ -517,15 +520,14 @@ def main(argv=None) -> int:
     if bool(args.sweep) == bool(args.ablate):
         parser.error("give a sweep file or --ablate CONFIG (not both)")
     try:
-        spec = ablation(args.ablate, args.seeds, args.clock) if args.ablate else load_sweep(Path(args.sweep))
-        if "search" in spec:
-            if args.nproc > 1 or args.calibrate_only:
-                raise SweepError(f"{args.sweep}: a search runs one process per trial and calibrates each trial itself "
-                                 f"(no --nproc, no --calibrate-only)")
+        doc = None if args.ablate else read_file(Path(args.sweep))
+        if doc and "search" in doc:
+            # The command line is this file's one way into search.py, which builds on this module (its Sweep).
             import search
-            return search.Worker(spec, args.overrides, args.jobs, args.storage, args.max_runs).run(not args.no_confirm)
+            return search.main(Path(args.sweep), doc, args)
         if args.storage or args.no_confirm:
             raise SweepError("--storage and --no-confirm are options of a search (a sweep file with search:)")
+        spec = ablation(args.ablate, args.seeds, args.clock) if args.ablate else load_sweep(Path(args.sweep), doc)
         sweep = Sweep(spec, args.overrides, args.nproc, args.jobs, args.calibration_rounds)
         return sweep.run(args.max_runs, args.calibrate_only)
     except (SweepError, ConfigError, train.data.DataError) as e:

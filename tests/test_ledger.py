@@ -139,3 +139,52 @@ def test_compare_empty(tmp_path, capsys):
     path = str(tmp_path / "missing.csv")
     assert ledger.main(["compare", "a", "b", "--path", path]) == 2
     assert f"no runs in {path}" in capsys.readouterr().err
+
+
+def host_ledgers(tmp_path):
+    """Two hosts' ledgers: arm tiny/a ran on host A, tiny/b on B (3 seeds each); B holds a copy of one of
+    A's rows and a row torn by a kill."""
+    paths = [tmp_path / "a" / "ledger.csv", tmp_path / "b" / "ledger.csv"]
+    for host, (path, variant, bpb) in enumerate(zip(paths, "ab", (1.50, 1.40))):
+        for seed in (1, 2, 3):
+            ledger.append(path, run_row(f"{variant}{seed}", time=f"2026-12-0{seed}T0{host}:00:00Z", sweep="tiny",
+                                        variant=variant, recipe=f"r{variant}", seed=seed, budget_s=2, machine="m",
+                                        tokens_per_s=1000, val_bpb=bpb + seed / 100))
+    ledger.append(paths[1], ledger.read(paths[0])[0])
+    with open(paths[1], "a") as f:
+        f.write("2026-12-04T00:00:00Z,b4,torn-off")
+    return paths
+
+
+def test_merge_keeps_each_run_once_and_sets_torn_rows_apart(tmp_path, capsys):
+    a, b = host_ledgers(tmp_path)
+    out = tmp_path / "ledger.csv"
+    assert ledger.main(["merge", str(a), str(b), "--out", str(out)]) == 0
+    rows = ledger.read(out)
+    assert [r["run_id"] for r in rows] == ["a1", "b1", "a2", "b2", "a3", "b3"]  # oldest first, a1 once
+    assert list(rows[0]) == ledger.COLUMNS and rows[0] == ledger.read(a)[0]
+    err = capsys.readouterr().err
+    torn = tmp_path / "ledger.torn.csv"
+    assert f"set apart in {torn}: {b} line 6: 3 fields" in err
+    with open(torn, newline="") as f:
+        assert list(csv.reader(f))[1] == [f"{b} line 6: 3 fields, expected {len(ledger.COLUMNS)} (a torn row?)",
+                                          "2026-12-04T00:00:00Z", "b4", "torn-off"]
+    assert ledger.main(["verdict", "tiny/a", "tiny/b", "--path", str(out)]) == 0  # arms of both hosts
+    assert "paired t-test on the per-seed differences, seeds 1, 2, 3" in capsys.readouterr().out
+
+
+def test_merge_refuses_a_run_with_two_different_rows_another_schema_and_an_existing_out(tmp_path, capsys):
+    a, b = host_ledgers(tmp_path)
+    changed = tmp_path / "changed.csv"
+    ledger.append(changed, {**ledger.read(a)[1], "val_bpb": "1.3"})
+    out = tmp_path / "ledger.csv"
+    assert ledger.main(["merge", str(a), str(changed), "--out", str(out)]) == 2
+    assert f"error: run a2: its rows in {a} and {changed} differ (in val_bpb)" in capsys.readouterr().err
+    old = tmp_path / "old.csv"
+    old.write_text("time,run_id,val_loss,status\n2024,old,3.0,ok\n")
+    assert ledger.main(["merge", str(a), str(old), "--out", str(out)]) == 2
+    assert f"error: {old}: header differs from ledger.COLUMNS" in capsys.readouterr().err
+    assert not out.exists()
+    out.write_text("")
+    assert ledger.main(["merge", str(a), "--out", str(out)]) == 2
+    assert f"error: {out} exists" in capsys.readouterr().err

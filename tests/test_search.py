@@ -95,7 +95,7 @@ def test_a_draw_that_does_not_validate_is_failed_and_not_counted(tmp_path, built
     no run, no row; the search still ends with its 3 trials, each one ok row of its recipe."""
     path = write_search(tmp_path, {"model.n_embd": {"choice": [64, 96]}, "model.n_head": {"choice": [4, 3]}},
                         ["model.n_kv_head=1"], trials=2)
-    spec = sweep.load_sweep(path)
+    spec = search.load(path)
     worker = search.Worker(spec, extra(tmp_path))
     worker.study.enqueue_trial({"model.n_embd": 64, "model.n_head": 3})
     assert worker.run(confirm=False) == 0
@@ -117,7 +117,7 @@ def test_a_draw_that_does_not_validate_is_failed_and_not_counted(tmp_path, built
 def test_the_confirmation_pairs_the_best_trials_against_the_against_config(tmp_path, builtin_1024, monkeypatch):
     """confirm.against makes the confirmation's base arm that config, with the trials on the search's."""
     path = write_search(tmp_path, confirm={"best": 1, "seeds": [1, 2], "against": str(ROOT / "configs" / "cpu.yaml")})
-    worker = search.Worker(sweep.load_sweep(path), extra(tmp_path))
+    worker = search.Worker(search.load(path), extra(tmp_path))
     for number, value in enumerate((1.5, 1.4)):
         worker.study.add_trial(optuna.trial.create_trial(
             params={"optim.muon_lr": 0.01 * (number + 1)}, distributions={"optim.muon_lr": search.distribution(
@@ -152,7 +152,7 @@ def test_sigusr1_prunes_a_run_into_a_row_no_verdict_reads(tmp_path, builtin_1024
 def test_pruning_stops_a_trial_worse_than_those_before_at_the_same_point(tmp_path, builtin_1024):
     """The worker reports a curve point at a prune fraction and, where Optuna prunes, sends SIGUSR1."""
     path = write_search(tmp_path, prune={"at": [0.25, 0.5], "keep": 0.5, "after": 1})
-    worker = search.Worker(sweep.load_sweep(path), extra(tmp_path))
+    worker = search.Worker(search.load(path), extra(tmp_path))
     for value in (1.0, 1.1):  # two finished trials, 1.0 and 1.1 at p = 0.25
         t = worker.study.ask(worker.s["space"])
         t.report(value, 250)
@@ -251,7 +251,7 @@ def test_two_workers_share_one_study_and_split_its_trials(tmp_path, builtin_1024
 def test_another_machine_kind_gets_a_study_of_its_own(tmp_path, builtin_1024, monkeypatch):
     """A study is one machine kind: on another (here a stand-in CPU name) the search starts that
     kind's study in the same storage and leaves the first one's trials as they were."""
-    spec = sweep.load_sweep(write_search(tmp_path))
+    spec = search.load(write_search(tmp_path))
     here = search.Worker(spec, extra(tmp_path))
     t = here.study.ask(here.s["space"])
     here.study.tell(t, 1.5)
