@@ -1,5 +1,5 @@
 """AION training script: config (config.py) -> backend -> data -> model -> optimizers -> annealing
-stages -> timed loop -> eval -> ledger row and checkpoint. Read top to bottom; line cap 1100.
+stages -> timed loop -> eval -> ledger row and checkpoint. Read top to bottom; line cap 1150.
 
     python train.py --config configs/cpu.yaml [key.sub=value ...]
     torchrun --nproc_per_node N train.py --config ... (data parallel)
