@@ -1,5 +1,5 @@
 """AION training script: config (config.py) -> backend -> data -> model -> optimizers -> annealing
-stages -> timed loop -> eval -> ledger row and checkpoint. Read top to bottom; line cap 1150.
+stages -> timed loop -> eval -> ledger row and checkpoint. Read top to bottom; line cap 1160.
 
     python train.py --config configs/cpu.yaml [key.sub=value ...]
     torchrun --nproc_per_node N train.py --config ... (data parallel)
@@ -61,6 +61,10 @@ PEAK_FLOPS = {
 HBM_BYTES = {"trn2-lnc1": 96 * 2**30 // 8, "trn2-lnc2": 96 * 2**30 // 4}  # a trn2 chip's 96 GiB over its logical cores
 
 
+def logical_nc_config() -> str:  # the Neuron runtime's default: 2, 4 logical cores per chip
+    return os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2")
+
+
 def peak_device(on_trainium: bool, accelerator: str, lnc: str) -> str:
     """The PEAK_FLOPS device: trn2 at NEURON_LOGICAL_NC_CONFIG `lnc` on Trainium, an H100 or H200 by name, or ""."""
     return f"trn2-lnc{lnc}" if on_trainium else next((n for n in ("H100", "H200") if n in accelerator), "")
@@ -113,8 +117,7 @@ class Backend:
         else:
             self.device = torch.device("cpu")
         # What a step's speed depends on besides the CPU (clock.machine): the accelerator, if any.
-        self.lnc = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2")  # the Neuron runtime's default
-        self.accelerator = (peak_device(True, "", self.lnc) if self.on_trainium else
+        self.accelerator = (peak_device(True, "", logical_nc_config()) if self.on_trainium else
                             torch.cuda.get_device_name(self.device) if self.kind == "cuda" else "")
         if cfg.compile_cache and self.kind != "xla":
             raise ConfigError(f"device.compile_cache is for device.type=xla, not {self.kind}")
@@ -212,7 +215,7 @@ class Backend:
 
     def peak_flops(self) -> tuple:
         """-> (FLOP/s, where it came from): PEAK_FLOPS for a known device, else measured here."""
-        name = peak_device(self.on_trainium, self.accelerator, self.lnc)
+        name = peak_device(self.on_trainium, self.accelerator, logical_nc_config())
         if (name, self.dtype) in PEAK_FLOPS:
             return PEAK_FLOPS[name, self.dtype], f"{name} datasheet"
         return self.measure_matmul_peak(), "measured"
@@ -424,7 +427,7 @@ def plan_text(cfg: Config, config_path: str) -> str:
     kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device.type == "auto" else cfg.device.type
     trn2, stages = kind in ("xla", "neuron"), resolve_stages(cfg)
     shapes = [(world, str(lnc)) for lnc, world in kit.LAUNCH_SHAPES.items()] if trn2 and "WORLD_SIZE" not in os.environ \
-        else [(int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))]
+        else [(int(os.environ.get("WORLD_SIZE", "1")), logical_nc_config())]
     gpu = torch.cuda.get_device_name() if kind == "cuda" and torch.cuda.is_available() else ""
     dtype = compute_dtype(cfg.device, kind, trn2)
     with torch.device("meta"):  # shapes only: nothing allocated
@@ -463,7 +466,7 @@ class Trainer:
         self.started = time.perf_counter()  # budget.charge=kit: the startup runs from here to step startup_steps' end
         self.cfg, self.config_path, self.overrides = cfg, str(config_path), list(overrides)
         if cfg.budget.charge == "kit" and cfg.device.type in ("xla", "neuron"):  # a trn2 run, as the kit launches it
-            kit.check_launch(int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
+            kit.check_launch(int(os.environ.get("WORLD_SIZE", "1")), logical_nc_config())
         self.resumed = load_checkpoint(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
         if self.resumed:
             old = flatten({k: self.resumed["config"][k] for k in ("model", "mod")})
@@ -1125,7 +1128,7 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides; later ones win")
     parser.add_argument("--plan", action="store_true", help="print the plan and exit, reading no data, compiling nothing: "
                         "parameters, FLOPs and tokens per step, rank (WORLD_SIZE) and stage, XLA graphs, memory per rank; "
-                        "device.type xla or neuron on trn2 at NEURON_LOGICAL_NC_CONFIG (default 2): HBM, peak, 40%% MFU step")
+                        "device.type xla or neuron: on trn2 for both launch shapes the kit allows, HBM, peak, 40%% MFU step")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
