@@ -361,6 +361,11 @@ def open_data(cfg: Config):  # -> (train files, val files, tokenizer path, corpu
     return data.open_data(d.source, d.path, d.tokenizer, cfg.model.vocab_size, d.val_fraction, d.tokenizer_kind, d.val_shard)
 
 
+def kit_scored(cfg: Config) -> bool:
+    """Whether the run is scored by the kit's protocol too: a tokenizer of the kit's kind and eval.kit_tokens > 0."""
+    return cfg.data.tokenizer_kind == "tiktoken" and cfg.eval.kit_tokens > 0
+
+
 def check_writable(directory: Path, key: str):
     """Stop before training if `directory` (made when training starts) could not be made or written."""
     existing = next(path for path in (directory, *directory.parents) if path.exists())
@@ -404,8 +409,7 @@ def xla_graphs(cfg: Config, stages, accum: int) -> int:
     of a layer-routing rotation its micro-batches meet) and, where it first uses parameters (the run's first stage,
     new layers, a loop's new gates or routers), its first step; eval; the routers' agreement read; optim.ema's swap;
     the kit's protocol, where the tokenizer is of the kit's kind: load_for_eval's model's scalar buffers, its rows."""
-    kit_scored = cfg.data.tokenizer_kind == "tiktoken" and cfg.eval.kit_tokens > 0
-    graphs, depth, passes = 1 + (cfg.mod.granularity in TILED) + bool(cfg.optim.ema) + 2 * kit_scored, 0, 1
+    graphs, depth, passes = 1 + (cfg.mod.granularity in TILED) + bool(cfg.optim.ema) + 2 * kit_scored(cfg), 0, 1
     for stage in stages:
         period = rotation_period(cfg.mod, stage.capacity)
         graphs += period // math.gcd(period, accum) + (stage.depth > depth or stage.recur > passes and (
@@ -500,8 +504,7 @@ class Trainer:
             seed(cfg.run.seed)
         self.train_files, self.val_files, tokenizer, self.data_sha = open_data(cfg)
         self.bytes = data.ByteTable(tokenizer)
-        kit_scored = cfg.data.tokenizer_kind == "tiktoken" and cfg.eval.kit_tokens  # the kit's protocol, with its table
-        self.kit_bytes = data.kit_token_bytes(tokenizer) if kit_scored else None
+        self.kit_bytes = data.kit_token_bytes(tokenizer) if kit_scored(cfg) else None  # the kit's table, for its protocol
         if self.bytes.vocab_size != cfg.model.vocab_size:
             raise data.DataError(f"tokenizer {tokenizer} has {self.bytes.vocab_size} tokens but "
                                  f"model.vocab_size is {cfg.model.vocab_size}")
