@@ -250,7 +250,7 @@ CHECKS = {
     "run.name": (lambda v: v not in ("", ".", "..") and Path(v).name == v, "a plain name (no '/', not empty or '..')"),
     "run.seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2**32) (numpy's seed range)"),
     "run.log_every": positive, "run.profile_steps": non_negative, "data.source": one_of("builtin", "shards", "parquet"),
-    "data.tokenizer_kind": one_of("sentencepiece", "tiktoken"),
+    "data.tokenizer_kind": one_of(*data.TOKENIZER_KINDS),
     "data.val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"), "data.seq_len": positive,
     "data.prefetch": non_negative, "data.order": one_of(*data.ORDERS),
     "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),

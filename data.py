@@ -1161,14 +1161,15 @@ def unigram_bpb(data_dir, vocab_size):
 # CLI
 
 def _base_defaults():
-    """--vocab-size and --val-fraction default to configs/base.yaml, where every default lives."""
+    """--vocab-size, --val-fraction and --tokenizer-kind default to configs/base.yaml, where every default lives."""
     path = Path(__file__).resolve().parent / "configs" / "base.yaml"
     cfg = yaml.safe_load(path.read_text()) if path.exists() else {}
-    return cfg.get("model", {}).get("vocab_size"), cfg.get("data", {}).get("val_fraction")
+    return (cfg.get("model", {}).get("vocab_size"), cfg.get("data", {}).get("val_fraction"),
+            cfg.get("data", {}).get("tokenizer_kind"))
 
 
 def main(argv=None):
-    vocab_size, val_fraction = _base_defaults()
+    vocab_size, val_fraction, kind = _base_defaults()
     parser = argparse.ArgumentParser(description="AION data: text -> tokenizer (sentencepiece or tiktoken) -> token shards")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize text into FineWeb-format shards and meta.json")
@@ -1178,7 +1179,7 @@ def main(argv=None):
     p.add_argument("--val-fraction", type=float, default=val_fraction, required=val_fraction is None)
     p.add_argument("--tokenizer", help="an existing tokenizer instead of training one: a sentencepiece .model, "
                    "or a tiktoken folder (tokenizer.pkl, token_bytes.pt)")
-    p.add_argument("--tokenizer-kind", choices=TOKENIZER_KINDS, default="sentencepiece",
+    p.add_argument("--tokenizer-kind", choices=TOKENIZER_KINDS, default=kind, required=kind is None,
                    help="sentencepiece (AION's) or tiktoken (the competition kit's byte-level BPE)")
     p.add_argument("--parquet", help="a folder of the kit's shard_*.parquet files to tokenize with --tokenizer")
     p.add_argument("--val-shard", default="", help="with --parquet: the validation shard's file name (default: the last)")
