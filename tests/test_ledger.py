@@ -188,3 +188,14 @@ def test_merge_refuses_a_run_with_two_different_rows_another_schema_and_an_exist
     out.write_text("")
     assert ledger.main(["merge", str(a), "--out", str(out)]) == 2
     assert f"error: {out} exists" in capsys.readouterr().err
+
+
+def test_verdict_judges_the_kits_figure_where_every_run_has_it():
+    def arm(bpb, kit, jitter=0.0):
+        return [dict(seed=str(seed), val_bpb=str(bpb + d), kit_val_bpb="" if kit is None else str(kit + d),
+                     tokens_per_s="100", clock="wall") for seed, d in ((1, 0.0), (2, 0.01 + jitter), (3, -0.005))]
+    both = ledger.judge(arm(1.5, 1.4), arm(1.4, 1.45, jitter=0.002))
+    assert both["val_bpb"]["verdict"] == "keep" and both["kit_val_bpb"]["verdict"] == "revert"
+    assert "kit_val_bpb" not in ledger.judge(arm(1.5, 1.4), arm(1.4, None))  # one arm without it: not judged
+    lines, _ = ledger.verdict_lines("A", arm(1.5, None), "B", arm(1.4, None))
+    assert [line[0] for line in lines[1:] if line[0]] == ["val_bpb", "tokens_per_s"]
