@@ -793,8 +793,8 @@ def open_data(source, path, tokenizer, vocab_size, val_fraction, kind="sentencep
             fingerprint += "-tiktoken"
     elif source == "parquet":
         if not tokenizer:
-            raise DataError(f"data.source=parquet needs data.tokenizer: the kit's tokenizer folder "
-                            f"(tokenizer.pkl, token_bytes.pt)")
+            raise DataError("data.source=parquet needs data.tokenizer: the kit's tokenizer folder "
+                            "(tokenizer.pkl, token_bytes.pt)")
         meta = prepare_parquet(path, tokenizer, vocab_size, val_shard)
         root, tokenizer, fingerprint = Path(meta["folder"]), meta["tokenizer"], meta["fingerprint"]
     else:

@@ -164,7 +164,7 @@ def kit_task(tmp_path_factory):
 
 
 def kit_args(tmp_path, task, *extra):
-    return [f"data.source=parquet", f"data.path={task / 'data'}", f"data.tokenizer={task / 'tokenizer'}",
+    return ["data.source=parquet", f"data.path={task / 'data'}", f"data.tokenizer={task / 'tokenizer'}",
             "data.tokenizer_kind=tiktoken", f"model.vocab_size={VOCAB}", "data.order=packed", "eval.kit_seq_len=128",
             "eval.kit_tokens=4096", "eval.tokens=0", *smoke(tmp_path, *extra)[1:]]
 
