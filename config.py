@@ -50,6 +50,8 @@ class DataConfig:
     seq_len: int
     prefetch: int
     order: str
+    row_pool: int
+    row_pool_from: int
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,8 @@ CHECKS = {
     "run.log_every": positive, "run.profile_steps": non_negative, "data.source": one_of("builtin", "shards", "parquet"),
     "data.tokenizer_kind": one_of(*data.TOKENIZER_KINDS),
     "data.val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"), "data.seq_len": positive,
-    "data.prefetch": non_negative, "data.order": one_of(*data.ORDERS),
+    "data.prefetch": non_negative, "data.order": one_of(*data.ORDERS), "data.row_pool": non_negative,
+    "data.row_pool_from": non_negative,
     "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
     "model.n_layer": positive, "model.n_embd": positive, "model.n_head": positive, "model.n_kv_head": positive,
     "model.mlp_mult": positive, "model.mlp": one_of("relu2", "leaky_relu2", "swiglu"), "model.logit_softcap": non_negative,
@@ -436,10 +439,19 @@ def validate(cfg: Config):
                           f"got {d.tokenizer_kind} and {d.tokenizer!r}")
     if d.val_shard and d.source != "parquet":
         raise ConfigError(f"data.val_shard names a parquet file of data.path: needs data.source=parquet, got {d.source}")
+    if d.row_pool and d.order == "shuffle":
+        raise ConfigError(f"data.row_pool={d.row_pool}: pools the rows of an ordered stream, and data.order=shuffle "
+                          f"already draws its rows at random; expected data.order contiguous or packed, or data.row_pool=0")
+    if d.row_pool_from and not d.row_pool:
+        raise ConfigError(f"data.row_pool_from={d.row_pool_from}: the micro-batches before the row pool starts, but "
+                          f"data.row_pool=0 (no pool); expected data.row_pool > 0 or data.row_pool_from=0")
     if b.charge == "kit" and b.count_compile:
         raise ConfigError("budget.count_compile: with budget.charge=kit every step after budget.startup_steps counts, "
                           "compile included, and the startup before is free up to budget.startup_cap_s; expected false")
     stages = resolve_stages(cfg)
+    if d.row_pool and (lengths := [s.seq_len for s in stages if s.seq_len != d.seq_len]):
+        raise ConfigError(f"data.row_pool={d.row_pool}: the pool holds rows of data.seq_len ({d.seq_len}) tokens, but a "
+                          f"schedule stage sets seq_len {lengths[0]}; expected data.row_pool=0 with such stages")
     if r.granularity == "block" and any(stage.doc_mask for stage in stages):
         raise ConfigError("model.doc_mask: a routed tile can hold the end of one document and the start of the "
                           "next, and its routing reads the tile before it; expected mod.granularity token, layer "
@@ -609,7 +621,8 @@ RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_bucket
                   "optim.muon_row_norm", "optim.muon_wd",
                   "optim.muon_momentum_start", "optim.muon_momentum_warmup", "schedule.grow_init",
                   "budget.reference_step_ms", "device.attn_dtype", "mod.recur", "schedule.recur_gate",
-                  "data.tokenizer_kind", "budget.charge", "budget.startup_steps", "budget.startup_cap_s")
+                  "data.tokenizer_kind", "budget.charge", "budget.startup_steps", "budget.startup_cap_s",
+                  "data.row_pool", "data.row_pool_from")
 
 
 @functools.cache

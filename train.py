@@ -589,7 +589,7 @@ class Trainer:
             self.loader = data.TrainLoader(self.train_files, rows, stage.seq_len, cfg.model.vocab_size,
                                            rank=self.backend.rank, world_size=self.backend.world_size,
                                            prefetch=cfg.data.prefetch, order=cfg.data.order, seed=cfg.run.seed,
-                                           bos_id=self.bytes.bos_id)
+                                           bos_id=self.bytes.bos_id, row_pool=cfg.data.row_pool, row_pool_from=cfg.data.row_pool_from)
             if self.loader_state is not None:
                 self.loader.load_state_dict(self.loader_state)  # before the batches fetched for the old shape
             self.inputs = self.fetch()

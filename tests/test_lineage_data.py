@@ -1,0 +1,286 @@
+"""The competition lineage's row pool (FrontierForge K82s4, make_stream_dataloader's FF_ROW_SHUFFLE and
+FF_ROW_SHUFFLE_FROM) as data.row_pool and data.row_pool_from: off, the loader's batches and positions as before;
+on, every row the stream gave is drawn once or still pooled, the first row_pool_from micro-batches come in stream
+order, the draws are the swap-with-last rule of a generator seeded by the run's seed and the rank, and a loader or a
+run resumed from its state is the uninterrupted one to the bit."""
+import dataclasses
+import io
+import random
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import clock
+import config
+import data
+import train
+from config import ConfigError, load_config
+from data import DataError
+from test_kit_contract import SMOKE, VOCAB, calibrated, documents, kit_args
+from test_kit_data import BOS, make_docs, write_docs
+
+ORDERS = ("contiguous", "packed")
+
+
+@pytest.fixture(scope="module")
+def kit_task(tmp_path_factory):
+    """test_kit_contract's kit-format task, made as it makes it: shard_00000..2.parquet and a tokenizer folder."""
+    root = tmp_path_factory.mktemp("kit")
+    (root / "data").mkdir()
+    for i in range(3):
+        pq.write_table(pa.table({"text": documents(300, i)}), root / "data" / f"shard_{i:05d}.parquet")
+    data.train_tiktoken(documents(300, 0) + documents(300, 1), root / "tokenizer", VOCAB)
+    return root
+
+
+def loaders(tmp_path, order):
+    """-> make(**kw): loaders of rows of seq_len + 1 = 17 tokens, 4 a micro-batch, over a stream whose rows are all
+    different within its first epoch: contiguous reads tokens that are their own positions, packed documents whose
+    tokens name the document."""
+    if order == "contiguous":
+        files = [tmp_path / "fineweb_train_000000.bin", tmp_path / "fineweb_train_000001.bin"]
+        data.write_shard(files[0], np.arange(30000, dtype=np.uint16))
+        data.write_shard(files[1], np.arange(30000, 60000, dtype=np.uint16))
+    else:
+        files = write_docs(tmp_path, make_docs(3000, random.Random(5), longest=60), cut=20011)
+
+    def make(batch_size=4, seq_len=16, **kw):
+        return data.TrainLoader(files, batch_size, seq_len, 65536, order=order, bos_id=BOS, **kw)
+    return make
+
+
+def drained(loader, n):
+    """The rows of a loader's first n micro-batches; the loader is closed."""
+    rows = rows_of(loader, n)
+    loader.close()
+    return rows
+
+
+def rows_of(loader, n):
+    """The rows (seq_len + 1 tokens, as tuples) of the loader's next n micro-batches."""
+    out = []
+    for _ in range(n):
+        x, y = loader.next_batch()
+        assert x.dtype == y.dtype == torch.int64 and x.is_contiguous() and y.is_contiguous()
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        out += map(tuple, torch.cat([x, y[:, -1:]], 1).tolist())
+    return out
+
+
+def pooled(state):
+    return [tuple(row.tolist()) for row in state["pool"]["rows"]]
+
+
+def by_hand(stream, b, size, start, n, seed, rank=0):
+    """The lineage's pool over a stream of rows, b a micro-batch: the first `start` micro-batches in order, then
+    the buffer topped up to (size + 1) * b rows before each draw of b rows, each pick j uniform in
+    [0, len(buffer)), swapped with the last row and popped, by random.Random(seed * 7919 + rank + 7777 * 4)."""
+    rng, out, pool, read = random.Random(seed * 7919 + rank + 7777 * 4), [], [], 0
+    for k in range(n):
+        if k < start:
+            out += stream[read:read + b]
+            read += b
+            continue
+        while len(pool) < (size + 1) * b:
+            pool += stream[read:read + b]
+            read += b
+        for _ in range(b):
+            j = rng.randrange(len(pool))
+            pool[j], pool[-1] = pool[-1], pool[j]
+            out.append(pool.pop())
+    return out, pool
+
+
+def checkpointed(state):
+    """The state through a checkpoint file: torch.save, then torch.load with weights_only=True."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+
+
+def same_state(a, b):
+    """Loader states equal: the pool's rows tensor by tensor, the rest as values."""
+    rest = [{k: v for k, v in s.items() if k != "pool"} for s in (a, b)]
+    pools = [{k: v for k, v in s["pool"].items() if k != "rows"} for s in (a, b)]
+    return rest[0] == rest[1] and pools[0] == pools[1] and len(a["pool"]["rows"]) == len(b["pool"]["rows"]) and all(
+        torch.equal(r, s) for r, s in zip(a["pool"]["rows"], b["pool"]["rows"]))
+
+
+# -- off: the loader as it was -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", data.ORDERS)
+def test_off_the_batches_and_positions_are_the_streams(tmp_path, order):
+    make = loaders(tmp_path, order)
+    before, off = make(prefetch=0), make(prefetch=2, row_pool=0, row_pool_from=0)
+    for _ in range(30):
+        (x, y), (x_off, y_off) = before.next_batch(), off.next_batch()
+        assert torch.equal(x, x_off) and torch.equal(y, y_off)
+        assert off.state_dict() == before.state_dict() and "pool" not in off.state_dict()
+    if order == "contiguous":  # the stream by hand: 64 tokens a micro-batch, the first 30 of them
+        assert torch.equal(x.flatten(), torch.arange(29 * 64, 30 * 64)) and torch.equal(y.flatten(), x.flatten() + 1)
+    before.close()
+    off.close()
+
+
+# -- on: the lineage's rule ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_every_row_read_is_drawn_once_or_still_pooled(tmp_path, order, prefetch):
+    make = loaders(tmp_path, order)
+    b, size, start, n = 4, 6, 3, 40
+    stream = drained(make(prefetch=0), 60)
+    loader = make(prefetch=prefetch, row_pool=size, row_pool_from=start)
+    drawn = []
+    for k in range(n):
+        drawn += rows_of(loader, 1)
+        state = loader.state_dict()
+        assert state["pool"]["emitted"] == k + 1
+        # In order first; then each draw from the stream's first start + size + 1 + k' micro-batches (one in, one
+        # out), size micro-batches' rows staying after it.
+        read = k + 1 if k < start else start + size + 1 + (k - start)
+        assert len(state["pool"]["rows"]) == (read - k - 1) * b == (0 if k < start else size * b)
+        assert set(drawn[-b:]) <= set(stream[:read * b])
+    assert drawn[:start * b] == stream[:start * b]  # the first row_pool_from micro-batches: the stream's, in order
+    read = start + size + 1 + (n - start - 1)
+    assert Counter(drawn + pooled(state)) == Counter(stream[:read * b])  # nothing lost, nothing doubled
+    assert drawn[start * b:] != stream[start * b:n * b]  # another order than the stream's
+    assert (drawn, pooled(state)) == by_hand(stream, b, size, start, n, seed=0)
+    loader.close()
+
+
+def test_the_lineage_numbers_2056_rows_then_2048(tmp_path):
+    """K82s4's pool on its micro-batch of 8 rows: 96 micro-batches in order, then 257 * 8 = 2056 rows pooled before
+    the first draw, 2048 after it and after every later one; the draws are the hand-made ones for seed 73."""
+    make = loaders(tmp_path, "contiguous")
+    stream = drained(make(batch_size=8, seq_len=4, prefetch=0), 96 + 257 + 30)
+    loader = make(batch_size=8, seq_len=4, prefetch=2, row_pool=256, row_pool_from=96, seed=73)
+    drawn = rows_of(loader, 96)
+    assert drawn == stream[:96 * 8] and loader.state_dict()["pool"]["rows"] == []
+    drawn += rows_of(loader, 1)
+    assert len(loader.state_dict()["pool"]["rows"]) == 2048
+    drawn += rows_of(loader, 29)
+    assert len(loader.state_dict()["pool"]["rows"]) == 2048
+    assert (drawn, pooled(loader.state_dict())) == by_hand(stream, 8, 256, 96, 126, seed=73)
+    loader.close()
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_seed_decides_the_order(tmp_path, order):
+    make = loaders(tmp_path, order)
+    assert drained(make(seed=1), 20) == drained(make(seed=2), 20)  # the stream is the same for every seed
+    first = drained(make(seed=1, row_pool=4, row_pool_from=2), 20)
+    assert first == drained(make(seed=1, row_pool=4, row_pool_from=2, prefetch=0), 20)
+    other = drained(make(seed=2, row_pool=4, row_pool_from=2), 20)
+    assert other != first and other[:8] == first[:8]  # the same rows in order before the pool starts
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_ranks_have_their_own_rows_pool_and_generator(tmp_path, order):
+    make = loaders(tmp_path, order)
+    own = [drained(make(batch_size=2, rank=r, world_size=2), 60) for r in range(2)]
+    drawn = [drained(make(batch_size=2, rank=r, world_size=2, row_pool=5, row_pool_from=1, seed=7), 30)
+             for r in range(2)]
+    assert not set(drawn[0]) & set(drawn[1])  # disjoint: each rank pools its own share of the stream
+    for r in range(2):
+        assert drawn[r] == by_hand(own[r], 2, 5, 1, 30, seed=7, rank=r)[0]
+    # Each rank's generator: its draws take other positions of its stream than the other rank's.
+    assert [own[0].index(row) for row in drawn[0]] != [own[1].index(row) for row in drawn[1]]
+
+
+# -- resume ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("at", [1, 9])  # inside the in-order micro-batches, inside the pool's draws
+def test_a_loader_resumed_from_its_state_is_the_uninterrupted_one(tmp_path, order, at):
+    make = loaders(tmp_path, order)
+    whole = make(prefetch=2, row_pool=4, row_pool_from=3)
+    rows_of(whole, at)
+    state = whole.state_dict()
+    saved = checkpointed(state)  # a checkpoint holds it: tensors, plain ints, lists and tuples
+    expected = rows_of(whole, 25)
+    after = whole.state_dict()
+    whole.close()
+    for prefetch in (0, 3):
+        resumed = make(prefetch=prefetch, row_pool=4, row_pool_from=3)
+        resumed.next_batch()  # its read-ahead ran before the restore
+        resumed.load_state_dict(saved)
+        assert rows_of(resumed, 25) == expected and same_state(resumed.state_dict(), after)
+        resumed.close()  # stops the read-ahead, keeps the position
+        assert same_state(resumed.state_dict(), after)
+
+
+def test_a_state_carries_on_at_another_batch_shape_and_refuses_what_it_cannot(tmp_path):
+    make = loaders(tmp_path, "packed")
+    loader = make(row_pool=4, row_pool_from=1)
+    drawn = rows_of(loader, 6)
+    state = loader.state_dict()
+    held = pooled(state)
+    assert len(held) == 16
+    wider = make(batch_size=8, row_pool=4, row_pool_from=1)  # an annealing stage's rows per micro-batch
+    wider.load_state_dict(state)
+    more = rows_of(wider, 10)
+    assert len(set(drawn + more + pooled(wider.state_dict()))) == len(drawn + more + pooled(wider.state_dict()))
+    assert set(held) <= set(more + pooled(wider.state_dict()))  # the pooled rows are drawn or still pooled
+    assert len(wider.state_dict()["pool"]["rows"]) == 4 * 8
+    wider.close()
+    longer, without = make(seq_len=32, row_pool=4, prefetch=0), make(prefetch=0)
+    with pytest.raises(DataError, match=r"row pool holds rows of 17 tokens, this loader reads rows of seq_len \+ 1 = 33"):
+        longer.load_state_dict(state)
+    with pytest.raises(DataError, match=r"holds 16 rows in its row pool, this loader has none \(data.row_pool=0\)"):
+        without.load_state_dict(state)
+    fresh = make(row_pool=4, row_pool_from=1)  # a position of no pool: the pool starts there
+    fresh.load_state_dict(make(prefetch=0).state_dict())
+    assert drained(fresh, 1) == drained(make(), 1)
+    loader.close()
+
+
+def test_a_packed_run_with_the_pool_resumed_is_the_uninterrupted_run_to_the_bit(tmp_path, kit_task):
+    """The pool (rows, generator, count) in train.py's checkpoint: 3 steps of 2 micro-batches, a resume to 6, against
+    6; the pool starts after 2 micro-batches and holds 3 of 4 rows."""
+    whole = calibrated(tmp_path, kit_args(tmp_path, kit_task, "budget.max_steps=6", "data.prefetch=2",
+                                          "data.row_pool=3", "data.row_pool_from=2"))
+    train.main(["--config", str(SMOKE), *whole, f"checkpoint.path={tmp_path / 'whole.pt'}"])
+    train.main(["--config", str(SMOKE), *whole, "budget.max_steps=3", f"checkpoint.path={tmp_path / 'half.pt'}"])
+    train.main(["--config", str(SMOKE), *whole, f"checkpoint.resume={tmp_path / 'half.pt'}",
+                f"checkpoint.path={tmp_path / 'resumed.pt'}"])
+    half, a, b = (train.load_checkpoint(tmp_path / name) for name in ("half.pt", "whole.pt", "resumed.pt"))
+    assert half["loader"]["pool"]["emitted"] == 6 and len(half["loader"]["pool"]["rows"]) == 3 * 4
+    assert a["step"] == b["step"] == 6 and a["loader"]["order"] == "packed" and same_state(a["loader"], b["loader"])
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+# -- config ---------------------------------------------------------------------------------------------------
+
+def test_the_keys_at_their_base_value_keep_the_recipe_and_the_cost():
+    keys = ("data.row_pool", "data.row_pool_from")
+    assert all(k in config.RECIPE_NEUTRAL and k not in config.RECIPE_IGNORED and k in clock.COST_IGNORED for k in keys)
+    flat = config.flatten(dataclasses.asdict(load_config(SMOKE)))
+    assert [flat[k] for k in keys] == [0, 0]
+    assert config.recipe(flat, "data") == config.recipe({k: v for k, v in flat.items() if k not in keys}, "data")
+    on = config.flatten(dataclasses.asdict(load_config(SMOKE, ["data.order=packed", "data.row_pool=256",
+                                                               "data.row_pool_from=96"])))
+    off = {**on, "data.row_pool": 0, "data.row_pool_from": 0}
+    assert config.recipe(on, "data") != config.recipe(off, "data")  # what a step learns
+    stage = config.resolve_stages(load_config(SMOKE))[0]
+    assert clock.stage_key(on, "data", stage) == clock.stage_key(off, "data", stage)  # not what it computes
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.row_pool=-1"], "data.row_pool: expected >= 0, got -1"),
+    (["data.order=packed", "data.row_pool=4", "data.row_pool_from=-2"], "data.row_pool_from: expected >= 0, got -2"),
+    (["data.row_pool=4"], "data.row_pool=4: pools the rows of an ordered stream, and data.order=shuffle already draws "
+                          "its rows at random; expected data.order contiguous or packed, or data.row_pool=0"),
+    (["data.order=contiguous", "data.row_pool_from=3"], "data.row_pool_from=3: the micro-batches before the row pool "
+                                                        "starts, but data.row_pool=0 (no pool)"),
+    (["data.order=contiguous", "data.row_pool=4", "schedule.stages=[{at: 0, seq_len: 32}, {at: 0.5, seq_len: 64}]"],
+     "data.row_pool=4: the pool holds rows of data.seq_len (64) tokens, but a schedule stage sets seq_len 32"),
+])
+def test_config_errors_name_the_key_and_value(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(SMOKE, overrides)
+    assert message in str(e.value)
