@@ -7,7 +7,7 @@ hash, which names what a run learns (runs of one recipe are repeats: an arm of a
     cfg = load_config("configs/cpu.yaml", ["optim.muon_lr=0.02"])
 
 train.py, sweep.py and the tools import this module; it imports nothing of AION's but the
-names it checks values against (data.ORDERS, kernels.OPS and kernels.IMPLS).
+names it checks values against (data.ORDERS, kernels.OPS and kernels.IMPLS, model.slow_pairs).
 """
 import dataclasses
 import difflib
@@ -24,6 +24,7 @@ import yaml
 
 import data
 import kernels
+from model import slow_pairs
 
 ROOT = Path(__file__).resolve().parent
 BASE_CONFIG = ROOT / "configs" / "base.yaml"
@@ -83,6 +84,11 @@ class ModelConfig:
     skip_gates: bool
     xsa_layers: int
     parallel_lanes: int
+    leaky_slope: float
+    qk_gain_learned: bool
+    key_offset: float
+    attn_source_after: int
+    attn_source_layers: tuple
 
 
 @dataclass(frozen=True)
@@ -261,7 +267,10 @@ CHECKS = {
     "model.mlp_mult": positive, "model.mlp": one_of("relu2", "leaky_relu2", "swiglu"), "model.logit_softcap": non_negative,
     "model.rope_base": positive, "model.attn_gate": one_of("none", "dense", "sparse"),
     "model.attn_gate_scale": positive, "model.rope_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "model.parallel_lanes": (lambda v: v in (1, 2), "1 or 2"), "optim.muon_ns": one_of("quintic", "polar_express"),
+    "model.parallel_lanes": (lambda v: v in (1, 2), "1 or 2"),
+    "model.leaky_slope": (lambda v: 0 <= v < 1, "in [0, 1)"), "model.key_offset": non_negative,
+    "model.attn_source_layers": (lambda v: all(isinstance(i, int) and not isinstance(i, bool) for i in v),
+                                 "a list of integers"), "optim.muon_ns": one_of("quintic", "polar_express"),
     "optim.muon_wd": non_negative, "mod.granularity": one_of("none", "block", "token", "layer", "microbatch"),
     "mod.block_size": positive, "mod.capacity": (lambda v: 0 < v <= 1, "in (0, 1]"), "mod.aux_weight": non_negative,
     "mod.layers": (lambda v: all(isinstance(i, int) and not isinstance(i, bool) for i in v), "a list of integers"),
@@ -394,6 +403,11 @@ def validate(cfg: Config):
     if 2 * round(m.rope_fraction * head_dim / 2) < 2:
         raise ConfigError(f"model.rope_fraction: {m.rope_fraction} of a head's {head_dim} dimensions rotates none of "
                           f"them; expected at least {2 / head_dim:.3g} (one pair)")
+    slow = int(slow_pairs(m, cfg.data.seq_len).sum()) if m.key_offset else 0
+    if m.key_offset and not 0 < slow < head_dim // 2:
+        raise ConfigError(f"model.key_offset: a radius of {m.key_offset} rad makes {slow} of a head's {head_dim // 2} "
+                          f"rotary pairs slow (turning less than it over data.seq_len = {cfg.data.seq_len} positions); "
+                          f"expected some, not all")
     if m.skip_gates and not m.unet:
         raise ConfigError("model.skip_gates: gates the U-net skips, so it needs model.unet=true")
     if m.parallel_lanes == 2 and not m.parallel_layers:
@@ -423,6 +437,22 @@ def validate(cfg: Config):
                               f"got {list(r.layers)} (empty only with mod.recur)")
         if r.granularity == "block" and cfg.data.seq_len % r.block_size:
             raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be a multiple of mod.block_size ({r.block_size})")
+    source, readers = m.attn_source_after, m.attn_source_layers
+    if source != -1 and not 0 <= source < m.n_layer - 1:
+        raise ConfigError(f"model.attn_source_after: expected -1 (off) or a block 0..{m.n_layer - 2} (model.n_layer - 2: "
+                          f"later blocks read it), got {source}")
+    if (source == -1) != (not readers):
+        raise ConfigError(f"model.attn_source_after, model.attn_source_layers: expected both set (the source block and "
+                          f"the later blocks that read it) or neither, got {source} and {list(readers)}")
+    if readers and (len(set(readers)) != len(readers) or not all(source < i < m.n_layer for i in readers)):
+        raise ConfigError(f"model.attn_source_layers: expected distinct blocks after model.attn_source_after ({source}), "
+                          f"in {source + 1}..{m.n_layer - 1}, got {list(readers)}")
+    if readers and m.parallel_layers:
+        raise ConfigError(f"model.attn_source_layers: attention-source reuse is defined for sequential blocks; expected "
+                          f"model.parallel_layers=0, got {m.parallel_layers}")
+    if readers and r.granularity != "none" and set(readers) & set(r.layers):
+        raise ConfigError(f"model.attn_source_layers: the readers {sorted(set(readers) & set(r.layers))} may not be "
+                          f"Mixture-of-Depths layers (mod.layers)")
     b = cfg.budget
     if b.clock == "calibrated" and (not b.calibration or b.count_compile):
         raise ConfigError("budget.clock=calibrated needs budget.calibration (a calibration file, made by python sweep.py "
@@ -452,6 +482,9 @@ def validate(cfg: Config):
     if d.row_pool and (lengths := [s.seq_len for s in stages if s.seq_len != d.seq_len]):
         raise ConfigError(f"data.row_pool={d.row_pool}: the pool holds rows of data.seq_len ({d.seq_len}) tokens, but a "
                           f"schedule stage sets seq_len {lengths[0]}; expected data.row_pool=0 with such stages")
+    if readers and any(stage.recur > 1 for stage in stages):
+        raise ConfigError("model.attn_source_layers: a loop (a schedule stage with recur > 1) is not defined with "
+                          "attention-source reuse")
     if r.granularity == "block" and any(stage.doc_mask for stage in stages):
         raise ConfigError("model.doc_mask: a routed tile can hold the end of one document and the start of the "
                           "next, and its routing reads the tile before it; expected mod.granularity token, layer "
@@ -622,7 +655,9 @@ RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_bucket
                   "optim.muon_momentum_start", "optim.muon_momentum_warmup", "schedule.grow_init",
                   "budget.reference_step_ms", "device.attn_dtype", "mod.recur", "schedule.recur_gate",
                   "data.tokenizer_kind", "budget.charge", "budget.startup_steps", "budget.startup_cap_s",
-                  "data.row_pool", "data.row_pool_from")
+                  "data.row_pool", "data.row_pool_from",
+                  "model.leaky_slope", "model.qk_gain_learned", "model.key_offset", "model.attn_source_after",
+                  "model.attn_source_layers")
 
 
 @functools.cache
@@ -636,6 +671,6 @@ def recipe(flat_config: dict, data_sha: str) -> str:
     RECIPE_NEUTRAL keys at their base.yaml value), and the data fingerprint (which stands for the
     data paths)."""
     neutral = base_values()
-    kept = {k: v for k, v in flat_config.items()
-            if k not in RECIPE_IGNORED and not (k in RECIPE_NEUTRAL and v == neutral[k])}
+    kept = {k: v for k, v in flat_config.items()  # (a config's tuples are the base's lists)
+            if k not in RECIPE_IGNORED and not (k in RECIPE_NEUTRAL and (list(v) if isinstance(v, tuple) else v) == neutral[k])}
     return hashlib.sha256(json.dumps([kept, data_sha], sort_keys=True, default=list).encode()).hexdigest()[:12]

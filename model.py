@@ -4,10 +4,12 @@ optional Mixture-of-Depths routing of chosen layers by tile, token, layer or mic
 speedrun-style additions (value embeddings, an embedding shortcut, a hashed bigram table, U-net
 skips), the parameter-golf records' items of April 2026 (attention within documents, SmearGate,
 attention-output gates, partial RoPE, layer-scaled norms, sigmoid skip gates, XSA, a two-lane
-parallel decoder), and depth recursion: a span of the active layers looped with shared weights,
-each extra pass optionally gated and routed per tile or token (Mixture-of-Recursions). The hot ops (the head
-with its loss, the RMSNorms, QK-norm with rotary, ReLU^2) are called through a kernels.Kernels (the
-config section `kernels`); the default is their plain-torch reference.
+parallel decoder), the competition lineage's levers (FrontierForge K82s4: the LeakyReLU slope, a fixed
+query gain, the key offset on slow rotary pairs, attention-source reuse), and depth recursion: a span
+of the active layers looped with shared weights, each extra pass optionally gated and routed per tile
+or token (Mixture-of-Recursions). The hot ops (the head with its loss, the RMSNorms, QK-norm with
+rotary, ReLU^2) are called through a kernels.Kernels (the config section `kernels`); the default is
+their plain-torch reference.
 
 Shapes in comments: B batch, T sequence, C = n_embd, H heads, K kv heads, D = C // H, V vocab,
 n = T // block_size tiles, k selected units. The model config is any object with the attributes
@@ -27,18 +29,33 @@ from kernels import REFERENCE
 from kernels.reference import rms_norm
 
 
+def rotary_frequencies(head_dim, base, rotated=None):
+    """-> (head_dim/2,) float32: the angle per position of each rotary pair. Pair i is the head's
+    dimensions i and i + head_dim/2 (kernels.qk_norm_rope's halves). rotated: the head dimensions
+    that rotate (partial RoPE, parameter-golf records from 2026-03: 16 of 64), with the frequencies
+    of a rotated-wide head; the other pairs get frequency 0."""
+    rotated = rotated or head_dim
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotated, 2, dtype=torch.float32) / rotated))
+    return torch.cat((inv_freq, torch.zeros((head_dim - rotated) // 2)))
+
+
+def slow_pairs(cfg, seq_len: int):
+    """model.key_offset: the rotary pairs of a head that turn less than the radius cfg.key_offset
+    over a training row of seq_len tokens, inv_freq_i * (seq_len - 1) < radius -> (head_dim/2,) bool.
+    Pairs that do not rotate (partial RoPE) turn 0 and count as slow: the rule as FrontierForge
+    K82s4 states it (recipes/K82s4/train.py, key_offset_mask; it has no such pairs)."""
+    head_dim = cfg.n_embd // cfg.n_head
+    return rotary_frequencies(head_dim, cfg.rope_base, rotated_dims(cfg)) * (seq_len - 1) < cfg.key_offset
+
+
 class Rotary(nn.Module):
-    """rotated: the head dimensions that rotate (partial RoPE, parameter-golf records from 2026-03:
-    16 of 64), with the frequencies of a rotated-wide head; the other pairs get frequency 0, i.e.
-    cos 1 and sin 0, the identity, so every qk_norm_rope kernel serves partial RoPE unchanged. (Which
-    dimensions pair up is arbitrary: the projections before it learn any permutation.)"""
+    """rotary_frequencies as a buffer; pairs of frequency 0 get cos 1 and sin 0, the identity, so
+    every qk_norm_rope kernel serves partial RoPE unchanged. (Which dimensions pair up is arbitrary:
+    the projections before it learn any permutation.)"""
 
     def __init__(self, head_dim, base, rotated=None):
         super().__init__()
-        rotated = rotated or head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotated, 2, dtype=torch.float32) / rotated))
-        inv_freq = torch.cat((inv_freq, torch.zeros((head_dim - rotated) // 2)))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rotary_frequencies(head_dim, base, rotated), persistent=False)
 
     def forward(self, x, pos=None):
         """x: (B, H, T, D), pos: (B, T) or None = 0..T-1 -> cos, sin in x's dtype, (T, D/2) or
@@ -49,7 +66,8 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, kernels, value_embed=False):
+    def __init__(self, cfg, kernels, value_embed=False, seq_len=None):
+        """seq_len: the training rows' length (data.seq_len), which model.key_offset's slow pairs are counted over."""
         super().__init__()
         self.kernels = kernels
         assert cfg.n_embd % cfg.n_head == 0 and cfg.n_head % cfg.n_kv_head == 0
@@ -60,9 +78,21 @@ class Attention(nn.Module):
         self.c_kv = nn.Linear(cfg.n_embd, 2 * kv_dim, bias=False)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.c_proj.zero_init = True
-        # QK-norm makes q.k bounded, so a learned per-head gain sets the attention temperature.
-        self.q_gain = nn.Parameter(torch.full((self.n_head,), cfg.qk_gain_init))
+        # QK-norm makes q.k bounded, so a learned per-head gain sets the attention temperature; with
+        # model.qk_gain_learned=false it is the constant qk_gain_init (K82s4's 1.44), rebuilt from the config.
+        gain = torch.full((self.n_head,), cfg.qk_gain_init)
+        if cfg.qk_gain_learned:
+            self.q_gain = nn.Parameter(gain)
+        else:
+            self.register_buffer("q_gain", gain, persistent=False)
         self.rotary = Rotary(self.head_dim, cfg.rope_base, rotated_dims(cfg))
+        # model.key_offset: the key dimensions of the slow pairs, which take an earlier token's (offset_keys).
+        # Fixed by the training rows' length, so evaluation on longer rows splices the same dimensions.
+        if cfg.key_offset:
+            assert seq_len, "model.key_offset counts slow pairs over the training rows: GPT needs seq_len"
+            self.register_buffer("slow", slow_pairs(cfg, seq_len).repeat(2), persistent=False)
+        else:
+            self.slow = None
         if value_embed:  # learned weight of the value embedding added to v (modded-nanogpt's lambda)
             self.ve_gate = nn.Parameter(torch.ones(()))
         # model.attn_gate: each head's output times sigmoid(scale * w_h . x[:width]) of the attention's
@@ -88,6 +118,8 @@ class Attention(nn.Module):
         if doc is not None:  # a static (B, 1, T, T) mask from the data: no data-dependent shape
             causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if mask is None else mask
             mask = causal & (doc[:, None, :, None] == doc[:, None, None, :])
+        if self.slow is not None:
+            k = self.offset_keys(k, mask)
         if self.float32_core:
             with torch.autocast(x.device.type, enabled=False):
                 y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=mask is None,
@@ -104,6 +136,27 @@ class Attention(nn.Module):
             y = y * gate.transpose(1, 2)[..., None]
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
+    def offset_keys(self, k, mask):
+        """model.key_offset (FrontierForge K82s4, recipes/K82s4/train.py, CausalSelfAttention.forward;
+        -0.0013 val_bpb in its docs/FINDINGS.md section 1): the slow dimensions of each key (normed and
+        rotated) become those of the key before it, so a nearly position-free subspace of every key
+        carries the previous token: an induction feature without parameters. k: (B, K, T, D).
+        "Before it" is the latest earlier key its own query may attend to (mask (B, 1, T, T), or
+        causal): the previous token; within documents none at a document's first token, which keeps
+        its own key; in a routed layer's evaluation (TileRouter.masked) the previous routed token,
+        as its training (gathered tiles, where that is the previous token of the sequence) has it.
+        The first position keeps its own key."""
+        if mask is None:
+            earlier = torch.cat((k[:, :, :1], k[:, :, :-1]), dim=2)
+        else:
+            T = k.size(2)
+            t = torch.arange(T, device=k.device)
+            seen = mask & (t[:, None] > t)  # (B, 1, T, T): the keys before t that query t attends to
+            last = T - 1 - seen.flip(-1).to(torch.uint8).argmax(-1)  # the latest of them (argmax: the first maximum)
+            index = torch.where(seen.any(-1), last, t)  # (B, 1, T); none: its own
+            earlier = k.gather(2, index[..., None].expand(-1, k.size(1), -1, k.size(3)))
+        return torch.where(self.slow, earlier, k)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg, kernels):
@@ -113,6 +166,7 @@ class MLP(nn.Module):
         self.hidden = hidden  # active hidden units: a static slice, set by GPT.set_active
         self.swiglu = cfg.mlp == "swiglu"
         self.leaky = cfg.mlp == "leaky_relu2"
+        self.slope = cfg.leaky_slope  # model.leaky_slope: the records' 0.5, K82s4's 0.35
         self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * hidden, bias=False)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=False)
         self.c_proj.zero_init = True
@@ -124,16 +178,16 @@ class MLP(nn.Module):
             w_in = w_in if n == full else torch.cat((w_in[:n], w_in[full:full + n]))
             gate, up = F.linear(x, w_in).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, w_out)
-        if self.leaky:  # LeakyReLU(0.5)^2 (parameter-golf records): plain torch, the kernels cover relu2 only
-            return F.linear(F.leaky_relu(F.linear(x, w_in[:n]), 0.5).square(), w_out)
+        if self.leaky:  # LeakyReLU(slope)^2 (parameter-golf records): plain torch, the kernels cover relu2 only
+            return F.linear(F.leaky_relu(F.linear(x, w_in[:n]), self.slope).square(), w_out)
         return F.linear(self.kernels.relu2(F.linear(x, w_in[:n])), w_out)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, kernels, value_embed=False, index=0):
+    def __init__(self, cfg, kernels, value_embed=False, index=0, seq_len=None):
         super().__init__()
         self.kernels = kernels
-        self.attn, self.mlp = Attention(cfg, kernels, value_embed), MLP(cfg, kernels)
+        self.attn, self.mlp = Attention(cfg, kernels, value_embed, seq_len), MLP(cfg, kernels)
         # model.ln_scale: the normed branch inputs of block `index` times 1/sqrt(index + 1) (records from 2026-03-20).
         self.norm_scale = 1 / math.sqrt(index + 1) if cfg.ln_scale else None
         # The learned scalars of GPT.block_input, one set per block (so they move with it).
@@ -154,14 +208,19 @@ class Block(nn.Module):
         self.parallel = False  # attention and MLP read the same input (model.parallel_layers; set by GPT.set_active)
 
     def norm(self, x):
-        h = self.kernels.rmsnorm(x)
+        return self.scaled(self.kernels.rmsnorm(x))
+
+    def scaled(self, h):
         return h if self.norm_scale is None else h * self.norm_scale
 
-    def forward(self, x, pos=None, mask=None, ve=None, doc=None):
+    def forward(self, x, pos=None, mask=None, ve=None, doc=None, src=None):
+        """src: None, or the normed attention source (model.attn_source_after; GPT.hidden) that this
+        block's attention reads instead of norm(x), with this block's norm scale (model.ln_scale)."""
         if self.parallel:  # GPT-J / PaLM parallel residual: one norm, shared by both branches
             h = self.norm(x)
             return x + self.attn_scale * self.attn(h, pos, mask, ve, doc) + self.mlp_scale * self.mlp(h)
-        x = x + self.attn_scale * self.attn(self.norm(x), pos, mask, ve, doc)
+        h = self.norm(x) if src is None else self.scaled(src)
+        x = x + self.attn_scale * self.attn(h, pos, mask, ve, doc)
         return x + self.mlp_scale * self.mlp(self.norm(x))
 
     def lanes(self, attn_lane, mlp_lane, ve=None, doc=None):
@@ -290,18 +349,26 @@ class GPT(nn.Module):
     (Mixture-of-Recursions, Bae et al. 2025) it has a TileRouter of its own, which sends
     ceil(capacity * n) tiles or tokens of each sequence through it (granularity block or token).
     The per-block input additions (bigram, x0 mix) enter on the first pass only.
+    model.attn_source_after and model.attn_source_layers (attention-source reuse, FrontierForge K82s4,
+    recipes/K82s4/train.py, GPT.forward with FF_ATTN_SRC="5:6,7,8"; -0.0015 val_bpb over four seed pairs
+    in its docs/FINDINGS.md section 3): the source block's output, normed once (src), is what the listed
+    later blocks' attention reads instead of the norm of their own input; their residual and MLP are
+    their own. Without parameters; gradients reach the source through every reader. While the source
+    block is not active (depth annealing) its readers read their own input.
     Optional additions (keys of the `model` section; off, the model is exactly the one without them):
     value_embed (a second embedding table, kv-wide, added to the values of every other layer, the
     last included, with a learned per-layer weight), and the block inputs of block_input.
     kernels: a kernels.Kernels (kernels.resolve); None = the reference (kernels.REFERENCE).
     """
 
-    def __init__(self, cfg, mod=None, kernels=None, attn_float32=False, passes=1, recur_gate=False, bos=None):
+    def __init__(self, cfg, mod=None, kernels=None, attn_float32=False, passes=1, recur_gate=False, bos=None,
+                 seq_len=None):
         """attn_float32: the attention core (SDPA) runs in float32 inside a bfloat16 autocast or with
         bfloat16 weights (the backend's choice, train.Backend.attn_float32); the rest as before.
         passes: the most passes any stage loops its span (the gates and routers the loop needs).
         bos: the tokenizer's BOS id, which starts every document: needed by document masking and
-        SmearGate, kept as a buffer so that a checkpoint carries it; None = neither is used."""
+        SmearGate, kept as a buffer so that a checkpoint carries it; None = neither is used.
+        seq_len: the training rows' length (data.seq_len), needed by model.key_offset only."""
         super().__init__()
         self.cfg = cfg
         self.kernels = REFERENCE if kernels is None else kernels
@@ -317,7 +384,7 @@ class GPT(nn.Module):
         # change every other initial weight (reset_parameters initialises them last).
         self.value_embed = nn.Parameter(torch.empty(cfg.vocab_size, kv_dim)) if cfg.value_embed else None
         self.bigram = nn.Parameter(torch.empty(cfg.bigram_buckets, cfg.n_embd)) if cfg.bigram_buckets else None
-        self.blocks = nn.ModuleList(Block(cfg, self.kernels, i in self.ve_layers, i) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, self.kernels, i in self.ve_layers, i, seq_len) for i in range(cfg.n_layer))
         # model.smear_gate (SmearGate, parameter-golf records from 2026-04-16): each token's embedding plus
         # lambda * sigmoid(w . e_t[:gate_window]) times the previous token's, never across a BOS; w and
         # lambda start at 0, so it enters as nothing.
@@ -434,6 +501,7 @@ class GPT(nn.Module):
         values = None if self.value_embed is None else F.embedding(idx, self.value_embed)  # (B, T, K*D)
         aux = torch.zeros((), device=x.device)
         skips = []  # U-net: outputs of the first half of the active blocks
+        src = None  # model.attn_source_after: the source block's normed output, once it ran
         lanes = None  # model.parallel_lanes=2: (attention lane, MLP lane) from the first parallel block on
         for position, i in enumerate(self.active):
             block = self.blocks[i]
@@ -443,8 +511,8 @@ class GPT(nn.Module):
             if block.parallel and self.cfg.parallel_lanes == 2:  # the last active blocks: no routing, no loop
                 lanes = block.lanes(x, mlp_lane, ve, doc)
                 x = lanes[0]
-            elif i not in self.routed:
-                x = block(x, ve=ve, doc=doc)
+            elif i not in self.routed:  # (attention-source readers are never routed: config.validate)
+                x = block(x, ve=ve, doc=doc, src=src if i in self.cfg.attn_source_layers else None)
             elif self.granularity in TILED:
                 k = units_selected(self.capacity, x.size(1) // self.routers[str(i)].block_size)
                 x, bce = self.routers[str(i)](block, x, k, ve, doc)
@@ -458,6 +526,8 @@ class GPT(nn.Module):
                                x[k:]))
             else:
                 x = block(x, ve=ve, doc=doc)
+            if i == self.cfg.attn_source_after:
+                src = self.kernels.rmsnorm(x)
             if self.cfg.unet and position < len(self.active) // 2:
                 skips.append(x)
             extra = self.passes - 1 if self.loop_span and position == self.loop_span[1] else 0
@@ -594,7 +664,9 @@ def flops_per_token(cfg, seq_len: int, mod=None, layers=None, mlp_hidden=None, l
     Counts every matmul: q, kv, attention output and MLP projections, the attention-output gates
     and SmearGate's, the output head, and causal attention itself (QK^T and AV: 2 x 2 x C per key,
     T/2 keys on average; within-document attention computes them all too). Embedding lookups,
-    norms and elementwise work (XSA, skip gates, lanes) are not counted.
+    norms and elementwise work (XSA, skip gates, lanes, model.key_offset's splice) are not counted;
+    model.attn_source_* (the readers' attention: the same matmuls on another input), model.qk_gain_learned
+    and model.leaky_slope change nothing here.
     With routing (mod), a routed layer's matmuls count with its token share s (routed_share);
     its attention with s^2 for block and token routing (s*T queries over s*T keys) and s otherwise;
     these two add each layer's router and predictor, Linear(C, 1) each, once per tile. Gates,

@@ -332,7 +332,7 @@ def load_for_eval(checkpoint_path, device) -> torch.nn.Module:
     cfg = build(Config, merge(load_chain(BASE_CONFIG), ckpt["config"]))  # keys newer than the file at their defaults
     stages = resolve_stages(cfg)
     model = GPT(cfg.model, cfg.mod, passes=max(s.recur for s in stages), recur_gate=cfg.schedule.recur_gate,
-                bos=ckpt["model"].get("bos"))  # the BOS id, where doc_mask or smear_gate need it
+                bos=ckpt["model"].get("bos"), seq_len=cfg.data.seq_len)  # the BOS id, where doc_mask or smear_gate need it
     model.load_state_dict(ckpt["model"])
     set_stage(model, cfg, stages[ckpt["timeline"][-1][0]])  # the shape it trained last
     return model.to(device).eval()
@@ -435,7 +435,8 @@ def plan_text(cfg: Config, config_path: str) -> str:
     gpu = torch.cuda.get_device_name() if kind == "cuda" and torch.cuda.is_available() else ""
     dtype = compute_dtype(cfg.device, kind, trn2)
     with torch.device("meta"):  # shapes only: nothing allocated
-        model = GPT(cfg.model, cfg.mod, passes=max(s.recur for s in stages), recur_gate=cfg.schedule.recur_gate)
+        model = GPT(cfg.model, cfg.mod, passes=max(s.recur for s in stages), recur_gate=cfg.schedule.recur_gate,
+                    seq_len=cfg.data.seq_len)
     lines = []
     for world, lnc in shapes:
         accum, device = accum_steps(cfg, world), peak_device(trn2, gpu, lnc)
@@ -523,7 +524,7 @@ class Trainer:
         if bos is not None and bos < 0:
             raise ConfigError(f"model.doc_mask, model.smear_gate: need a BOS token (it starts each document); {tokenizer} has none")
         self.model = GPT(cfg.model, cfg.mod, self.kernels, self.backend.attn_float32, max(s.recur for s in self.stages),
-                         cfg.schedule.recur_gate, bos).to(self.device)
+                         cfg.schedule.recur_gate, bos, cfg.data.seq_len).to(self.device)
         self.masters = {}  # bf16 weights: parameter -> its fp32 master copy, which the optimizers update
         if self.backend.bf16_weights:
             self.model.to(torch.bfloat16)

@@ -46,7 +46,7 @@ def trained(tmp_path, *overrides, steps=4) -> Path:
 
 
 # Every model feature load_for_eval must rebuild: routing at each granularity, loops (gated, routed), annealing
-# stages, the EMA, and the record items (switching stages by tokens: 512 tokens per smoke step).
+# stages, the EMA, the record items (switching stages by tokens: 512 tokens per smoke step) and the lineage's levers.
 LOOP = "schedule.stages=[{at: 0}, {at: '1024 tokens', recur: 2, recur_span: [0, 1]}]"
 FEATURES = {
     "dense": (),
@@ -65,6 +65,9 @@ FEATURES = {
     "unet": ("model.unet=true", "model.skip_gates=true", "model.parallel_layers=1"),
     "lanes": ("model.parallel_layers=2", "model.parallel_lanes=2", "model.mlp=swiglu"),
     "doc_mask": ("model.doc_mask=true",),
+    "lineage": ("model.mlp=leaky_relu2", "model.leaky_slope=0.35", "model.qk_gain_learned=false",
+                "model.qk_gain_init=1.44", "model.key_offset=0.3", "model.attn_source_after=0",
+                "model.attn_source_layers=[1]", "model.value_embed=true", "model.x0_shortcut=true"),
 }
 
 
