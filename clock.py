@@ -46,9 +46,9 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # what d
 # Keys that change what a step learns but not what it computes (its shapes and operations).
 COST_IGNORED = ("optim.muon_lr", "optim.muon_momentum", "optim.muon_momentum_start", "optim.muon_momentum_warmup",
                 "optim.embed_lr", "optim.head_lr", "optim.scalar_lr", "optim.beta1", "optim.beta2",
-                "optim.weight_decay", "optim.warmup", "optim.warmdown", "optim.lr_floor", "model.qk_gain_init",
-                "model.embed_init_std", "model.rope_base", "model.attn_gate_scale", "model.leaky_slope",
-                "data.row_pool", "data.row_pool_from")
+                "optim.weight_decay", "optim.head_wd", "optim.warmup", "optim.warmdown", "optim.warmdown_steps",
+                "optim.lr_floor", "model.qk_gain_init", "model.embed_init_std", "model.rope_base",
+                "model.attn_gate_scale", "model.leaky_slope", "data.row_pool", "data.row_pool_from")
 
 
 def machine(accelerator="") -> str:
@@ -73,7 +73,7 @@ def stage_key(flat_config: dict, data_sha: str, stage) -> str:
     stage's doc_mask and xsa_layers enter only where they differ from the model's (already in the key)."""
     kept = {k: v for k, v in flat_config.items()
             if not k.startswith(("budget.", "schedule.")) and k not in COST_IGNORED}
-    shape = {k: v for k, v in dataclasses.asdict(stage).items() if k not in ("at", "at_tokens", "attn_scale", "mlp_scale")
+    shape = {k: v for k, v in dataclasses.asdict(stage).items() if k not in ("at", "at_tokens", "attn_scale", "mlp_scale", "lr")
              and not (k in ("recur", "recur_span") and stage.recur == 1)  # no loop: the key it had before loops
              and not (k in ("doc_mask", "xsa_layers") and v == flat_config[f"model.{k}"])}
     return recipe({**kept, "stage": shape}, data_sha)

@@ -113,14 +113,19 @@ class OptimConfig:
     muon_ns: str
     muon_row_norm: bool
     muon_wd: float
+    muon_wd_cautious: bool
+    normuon_beta2: float
+    mlp_proj_lr: float
     embed_lr: float
     head_lr: float
     scalar_lr: float
     beta1: float
     beta2: float
     weight_decay: float
+    head_wd: float
     warmup: float
     warmdown: float
+    warmdown_steps: int
     lr_floor: float
     grad_clip: float
     ema: float
@@ -141,7 +146,10 @@ class Stage:
     fraction of the budget; one given in seconds is converted), or after at_tokens training tokens
     when that is not 0. recur: passes through the loop span recur_span (its first and last position
     among the active layers; the weights are shared), 1 = each active layer once. doc_mask and
-    xsa_layers: model.doc_mask and model.xsa_layers in this stage."""
+    xsa_layers: model.doc_mask and model.xsa_layers in this stage. lr: the factor of every group's LR
+    in this stage; where a stage leaves it out (it does not carry over) sqrt(batch_tokens /
+    optim.batch_tokens), the square-root rule for adaptive optimizers (Malladi et al. 2022, arXiv
+    2205.10287). FrontierForge K82s4's batch ramp sets its own: a quarter batch at 0.35, a half at 0.6."""
     at: float
     depth: int
     mlp_hidden: int
@@ -155,6 +163,7 @@ class Stage:
     recur_span: tuple = ()
     doc_mask: bool = False
     xsa_layers: int = 0
+    lr: float = 1.0
 
     @property
     def loop_layers(self) -> int:
@@ -282,6 +291,9 @@ CHECKS = {
     "optim.muon_ns_steps": positive, "optim.embed_lr": non_negative, "optim.head_lr": non_negative,
     "optim.scalar_lr": non_negative, "optim.beta1": fraction, "optim.beta2": fraction,
     "optim.weight_decay": non_negative, "optim.warmup": fraction, "optim.warmdown": fraction,
+    "optim.normuon_beta2": (lambda v: 0 <= v < 1, "in [0, 1) (0 = off)"), "optim.mlp_proj_lr": positive,
+    "optim.head_wd": (lambda v: v == -1 or v >= 0, "-1 (= optim.weight_decay) or >= 0"),
+    "optim.warmdown_steps": non_negative,
     "optim.lr_floor": fraction, "optim.grad_clip": non_negative, "budget.seconds": positive,
     "budget.max_steps": non_negative, "budget.charge": one_of("aion", "kit"),
     "budget.startup_steps": positive, "budget.startup_cap_s": non_negative, "budget.clock": one_of("wall", "calibrated"),
@@ -416,6 +428,12 @@ def validate(cfg: Config):
     if m.parallel_lanes == 2 and cfg.mod.granularity != "none":
         raise ConfigError(f"model.parallel_lanes=2: two residual lanes are not routed; expected mod.granularity=none, "
                           f"got {cfg.mod.granularity}")
+    if o.head_wd >= 0 and m.tie_embeddings:
+        raise ConfigError(f"optim.head_wd: the head is the embedding table with model.tie_embeddings=true (its decay is "
+                          f"optim.weight_decay); expected -1, got {o.head_wd}")
+    if o.warmdown_steps and not o.warmdown:
+        raise ConfigError(f"optim.warmdown_steps: cuts the warm-down into steps, so it needs optim.warmdown > 0, got "
+                          f"{o.warmdown_steps} steps and optim.warmdown {o.warmdown}")
     if o.warmup + o.warmdown > 1:
         raise ConfigError(f"optim.warmup + optim.warmdown must be <= 1, got {o.warmup} + {o.warmdown}")
     if o.batch_tokens % (o.micro_batch * cfg.data.seq_len):
@@ -526,8 +544,6 @@ def resolve_stages(cfg: Config) -> tuple:
         return (previous,)
     fields = {k: v for k, v in get_type_hints(Stage).items() if k != "at_tokens"}  # tokens are written in `at`
     stages = []
-    by_tokens = any(isinstance(e, dict) and isinstance(e.get("at"), str) and e["at"].strip().endswith("tokens")
-                    for e in cfg.schedule.stages)
     order = depth_order(m.n_layer, cfg.schedule.grow_depth)
     for n, entry in enumerate(cfg.schedule.stages):
         key = f"schedule.stages[{n}]"
@@ -542,6 +558,8 @@ def resolve_stages(cfg: Config) -> tuple:
         at, at_tokens = switch_point(entry["at"], f"{key}.at", cfg.budget.seconds)
         values = {k: coerce(v, fields[k], f"{key}.{k}") for k, v in entry.items() if k != "at"}
         stage = dataclasses.replace(previous, at=at, at_tokens=at_tokens, **values)
+        if "lr" not in values:  # the square-root rule for this stage's batch, not the stage before's lr
+            stage = dataclasses.replace(stage, lr=(max(stage.batch_tokens, 0) / cfg.optim.batch_tokens) ** 0.5)
         rows = stage_rows(cfg, stage)
         least = previous if n else Stage(0.0, 1, 1, 1, 0.0, 0.0, 0.0, 1)  # growth only: from the stage before
         copy = cfg.schedule.grow_init == "copy"
@@ -549,10 +567,10 @@ def resolve_stages(cfg: Config) -> tuple:
         looped = sorted(order[:stage.depth])[span[0]:span[1] + 1] if stage.recur > 1 and len(span) == 2 else []
         problems = [
             (n == 0 and (at, at_tokens) != (0, 0), "at: the first stage must be at 0"),
-            (n > 0 and by_tokens and not previous.at_tokens < at_tokens,
-             f"at: expected increasing token counts, after {previous.at_tokens} (a schedule switches by tokens "
-             f"or by time, not both)"),
-            (n > 0 and not by_tokens and not previous.at < at < 1,
+            (n > 0 and at_tokens and not (previous.at == 0 and previous.at_tokens < at_tokens),
+             f"at: expected increasing token counts, after {previous.at_tokens}, before any stage switched by time "
+             f"(a schedule switches by tokens, then by time)"),
+            (n > 0 and not at_tokens and not previous.at < at < 1,
              f"at: expected increasing values in (0, 1), after {previous.at} (seconds count as fractions of "
              f"budget.seconds, {cfg.budget.seconds:g})"),
             (not least.depth <= stage.depth <= m.n_layer,
@@ -572,6 +590,11 @@ def resolve_stages(cfg: Config) -> tuple:
             (cfg.mod.granularity == "block" and stage.seq_len % cfg.mod.block_size,
              f"seq_len: expected a multiple of mod.block_size ({cfg.mod.block_size})"),
             (min(stage.attn_scale, stage.mlp_scale) < 0, "attn_scale, mlp_scale: expected >= 0"),
+            (previous.at_tokens and not at_tokens and (stage.attn_scale, stage.mlp_scale) != (previous.attn_scale,
+                                                                                           previous.mlp_scale),
+             "attn_scale, mlp_scale: they move linearly between two stages switched alike; expected those of the stage "
+             "switched by tokens before it"),
+            (stage.lr <= 0, "lr: expected > 0"),
             (not 0 < stage.capacity <= 1, "capacity: expected in (0, 1]"),
             ("capacity" in entry and cfg.mod.granularity == "none", "capacity: needs mod.granularity other than none"),
             (stage.recur < 1, "recur: expected passes through the loop span >= 1 (1 = no loop)"),
@@ -651,7 +674,8 @@ RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_bucket
                   "model.parallel_layers", "optim.ema", "model.doc_mask", "model.smear_gate", "model.gate_window",
                   "model.attn_gate", "model.attn_gate_scale", "model.rope_fraction", "model.ln_scale",
                   "model.skip_gates", "model.xsa_layers", "model.parallel_lanes", "optim.muon_ns",
-                  "optim.muon_row_norm", "optim.muon_wd",
+                  "optim.muon_row_norm", "optim.muon_wd", "optim.muon_wd_cautious", "optim.normuon_beta2",
+                  "optim.mlp_proj_lr", "optim.head_wd", "optim.warmdown_steps",
                   "optim.muon_momentum_start", "optim.muon_momentum_warmup", "schedule.grow_init",
                   "budget.reference_step_ms", "device.attn_dtype", "mod.recur", "schedule.recur_gate",
                   "data.tokenizer_kind", "budget.charge", "budget.startup_steps", "budget.startup_cap_s",

@@ -1,6 +1,8 @@
 """Optimizers: Muon for the blocks' 2-D matrices, AdamW for the embeddings, the head and the vectors;
 the LR and Muon-momentum schedules as functions of progress p = elapsed / budget (never of a step).
 train.py builds them (make_optimizers) and sets each group's lr from lr_scale every step."""
+import math
+
 import torch
 
 from config import OptimConfig
@@ -45,11 +47,28 @@ class Muon(torch.optim.Optimizer):
     of the update divided by its norm first (MuonEq-R); weight_decay: decoupled, times the LR.
     The updates of same-shape matrices (a tall one counts as its transpose: the MLP's two, the
     blocks' query and output projections) are orthogonalised as one batch: a few batched matmuls
-    per iteration instead of three per matrix (sweeps/step_bench.py's ns_batched)."""
+    per iteration instead of three per matrix (sweeps/step_bench.py's ns_batched).
 
-    def __init__(self, params, lr, momentum, ns_steps, coefficients="quintic", row_norm=False, weight_decay=0.0):
+    The momentum is buf <- mu buf + g and the update g + mu buf. The competition lineage (FrontierForge
+    K82s4, recipes/K82s4/train.py, github marker2601/trainium-simulator) keeps an EMA, M <- mu M +
+    (1 - mu) g, and updates by (1 - mu) g + mu M: for a constant mu that is (1 - mu) times this
+    update, a scale Newton-Schulz's normalisation removes (the same orthogonalised update to float
+    tolerance; tests/test_lineage_optim.py). While mu ramps (optim.muon_momentum_warmup) the two
+    forms weigh past gradients slightly differently.
+
+    Two more of that recipe's items, both off by default:
+    - normuon_beta2 > 0 (NorMuon; K82s4: 0.9): after Newton-Schulz, each neuron along the matrix's
+      larger side (the rows of a square one) keeps a second moment S <- beta2 S + (1 - beta2) mean(X^2),
+      the mean over the other side, no bias correction; X <- X / sqrt(max(S, 1e-10)), rescaled to the
+      Frobenius norm X had: only the neurons' relative scales change.
+    - cautious_wd: the decay applies only where the update and the weight have the same sign,
+      w <- w - lr wd w [update * w >= 0] (K82s4's cautious decay; coupled to the LR as weight_decay is)."""
+
+    def __init__(self, params, lr, momentum, ns_steps, coefficients="quintic", row_norm=False, weight_decay=0.0,
+                 normuon_beta2=0.0, cautious_wd=False):
         super().__init__(params, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, coefficients=coefficients,
-                                      row_norm=row_norm, weight_decay=weight_decay))
+                                      row_norm=row_norm, weight_decay=weight_decay, normuon_beta2=normuon_beta2,
+                                      cautious_wd=cautious_wd))
 
     @torch.no_grad()
     def step(self):
@@ -68,11 +87,31 @@ class Muon(torch.optim.Optimizer):
             for batch in same_shape.values():
                 orthogonal = newton_schulz(torch.stack([wide for _, _, wide in batch]), group["ns_steps"],
                                            coefficients=group["coefficients"])
+                if group["normuon_beta2"]:
+                    orthogonal = self.normuon([p for p, _, _ in batch], orthogonal, group["normuon_beta2"])
                 for (p, tall, _), update in zip(batch, orthogonal):
-                    if group["weight_decay"]:
+                    update = update.mT if tall else update
+                    if group["weight_decay"] and group["cautious_wd"]:
+                        p.sub_(p * (update * p >= 0), alpha=group["lr"] * group["weight_decay"])
+                    elif group["weight_decay"]:
                         p.mul_(1 - group["lr"] * group["weight_decay"])
                     # An orthogonal update has unit singular values; scale tall matrices up to match RMS.
-                    p.add_(update.mT if tall else update, alpha=-group["lr"] * max(1.0, p.size(0) / p.size(1)) ** 0.5)
+                    p.add_(update, alpha=-group["lr"] * max(1.0, p.size(0) / p.size(1)) ** 0.5)
+
+    def normuon(self, params: list, orthogonal: torch.Tensor, beta2: float) -> torch.Tensor:
+        """NorMuon on a batch of orthogonalised updates, each wide (a tall matrix as its transpose): the
+        neurons are the columns of a rectangular one (its original larger side either way) and the rows
+        of a square one. Each parameter's state keeps its S, one value per neuron."""
+        square = orthogonal.size(-2) == orthogonal.size(-1)
+        over = -1 if square else -2  # the axis each neuron's mean runs over
+        moments = [self.state[p].setdefault("normuon_buffer", orthogonal.new_zeros(orthogonal.size(-2 if square else -1)))
+                   for p in params]
+        moment = torch.stack(moments).mul_(beta2).add_(orthogonal.square().mean(over), alpha=1 - beta2)
+        for state, new in zip(moments, moment):
+            state.copy_(new)
+        scaled = orthogonal / moment.clamp_min(1e-10).sqrt().unsqueeze(over)
+        before, after = (x.norm(dim=(-2, -1), keepdim=True) for x in (orthogonal, scaled))
+        return scaled * (before / after.clamp_min(1e-10))
 
 
 def param_groups(model: GPT, o: OptimConfig):
@@ -87,19 +126,31 @@ def param_groups(model: GPT, o: OptimConfig):
     vectors = [p for p in model.parameters() if id(p) not in placed]
     adam = [dict(params=tables, lr=o.embed_lr, weight_decay=o.weight_decay),
             dict(params=vectors, lr=o.scalar_lr, weight_decay=0.0)]
-    if head:
-        adam.append(dict(params=head, lr=o.head_lr, weight_decay=o.weight_decay))
+    if head:  # optim.head_wd: its own decay (K82s4: 0.01, the tables 0.001); -1 = optim.weight_decay
+        adam.append(dict(params=head, lr=o.head_lr, weight_decay=o.weight_decay if o.head_wd < 0 else o.head_wd))
     return matrices, adam
+
+
+def muon_groups(model: GPT, matrices: list, o: OptimConfig) -> list:
+    """Muon's parameter groups: one, or with optim.mlp_proj_lr != 1 the MLP output projections in a
+    second at muon_lr * mlp_proj_lr (K82s4's FF_MLP_PROJ_LR = 0.8: "about -0.0004 bpb, step-normalised",
+    its docs/FINDINGS.md section 3). The split also splits Newton-Schulz's batches by group."""
+    if o.mlp_proj_lr == 1:
+        return [dict(params=matrices)]
+    projections = {id(block.mlp.c_proj.weight) for block in model.blocks}
+    return [dict(params=[p for p in matrices if id(p) not in projections]),
+            dict(params=[p for p in matrices if id(p) in projections], lr=o.muon_lr * o.mlp_proj_lr)]
 
 
 def make_optimizers(model: GPT, o: OptimConfig, masters: dict):
     """masters: parameter -> the fp32 copy the optimizer updates instead (bf16 weights); may be empty."""
     matrices, adam_groups = param_groups(model, o)
-    matrices = [masters.get(p, p) for p in matrices]
-    for group in adam_groups:
+    muon = muon_groups(model, matrices, o)
+    for group in muon + adam_groups:
         group["params"] = [masters.get(p, p) for p in group["params"]]
-    optimizers = [Muon(matrices, lr=o.muon_lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps, coefficients=o.muon_ns,
-                       row_norm=o.muon_row_norm, weight_decay=o.muon_wd),
+    optimizers = [Muon(muon, lr=o.muon_lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps, coefficients=o.muon_ns,
+                       row_norm=o.muon_row_norm, weight_decay=o.muon_wd, normuon_beta2=o.normuon_beta2,
+                       cautious_wd=o.muon_wd_cautious),
                   torch.optim.AdamW(adam_groups, betas=(o.beta1, o.beta2), eps=1e-10)]
     for opt in optimizers:
         for group in opt.param_groups:
@@ -116,10 +167,18 @@ def muon_momentum(p: float, o: OptimConfig) -> float:
 
 
 def lr_scale(p: float, o: OptimConfig) -> float:
-    """LR multiplier at progress p in [0, 1]: linear warmup, constant, linear warmdown to lr_floor."""
+    """LR multiplier at progress p in [0, 1]: linear warmup, constant, warmdown to lr_floor: linear, or
+    with optim.warmdown_steps = N in N equal drops, lr_floor + (1 - lr_floor) * level / (N + 1) with
+    level N, N - 1, ..., 1 in turn over the warm-down's N equal parts, the last held to the end (never
+    lr_floor itself). FrontierForge K82s4's cool-down (recipes/K82s4/train.py, cooldown_level) is
+    warmdown 0.7, N 19, lr_floor 0: 0.95, 0.90, ..., 0.05."""
     p = min(max(p, 0.0), 1.0)
     if o.warmup > 0 and p < o.warmup:
         return p / o.warmup
     if o.warmdown > 0 and p > 1 - o.warmdown:
+        if o.warmdown_steps:
+            n = o.warmdown_steps
+            level = max(1, n - math.floor((p - (1 - o.warmdown)) / o.warmdown * n))
+            return o.lr_floor + (1 - o.lr_floor) * level / (n + 1)
         return o.lr_floor + (1 - o.lr_floor) * (1 - p) / o.warmdown
     return 1.0

@@ -579,9 +579,7 @@ class Trainer:
             for source, new in zip(order[2 * before - stage.depth:before], order[before:stage.depth]):
                 self.copy_block(source, new)
         set_stage(self.model, cfg, stage)
-        # Tokens per step times b: the LR times sqrt(b) (the square-root rule for adaptive optimizers,
-        # Malladi et al. 2022, arXiv 2205.10287).
-        self.batch_lr = (stage.batch_tokens / cfg.optim.batch_tokens) ** 0.5
+        self.batch_lr = stage.lr  # by default sqrt(batch_tokens / optim.batch_tokens) (config.Stage)
         rows = int(stage_rows(cfg, stage))
         if self.loader is None or (self.loader.batch_size, self.loader.seq_len) != (rows, stage.seq_len):
             if self.loader is not None:

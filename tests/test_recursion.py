@@ -2,7 +2,6 @@
 what a loop computes, the zero gate's function preservation, causal evaluation, skipped work,
 the FLOP count of the virtual depth, switch points in seconds and tokens, a run across a loop
 switch with resume and load_for_eval, and the errors for bad schedules."""
-import functools
 from types import SimpleNamespace
 
 import pytest
@@ -158,7 +157,8 @@ def test_a_token_schedule_switches_on_the_tokens_trained(tmp_path, builtin_1024)
     ("[{at: 0}, {at: 90s}]", "schedule.stages[1].at: expected increasing values in (0, 1)"),  # past the 60 s budget
     ("[{at: 0}, {at: 30s}, {at: 20s}]", "schedule.stages[2].at: expected increasing values in (0, 1), after 0.5"),
     ("[{at: 0}, {at: 2000 tokens}, {at: 1000 tokens}]", "schedule.stages[2].at: expected increasing token counts"),
-    ("[{at: 0}, {at: 2000 tokens}, {at: 0.5}]", "a schedule switches by tokens or by time, not both"),
+    ("[{at: 0}, {at: 0.5}, {at: 2000 tokens}]", "before any stage switched by time (a schedule switches by tokens, "
+                                               "then by time)"),
     ("[{at: 0}, {at: 1.5 tokens}]", "schedule.stages[1].at: expected a whole number of tokens >= 1"),
     ("[{at: 0}, {at: 10 minutes}]", "schedule.stages[1].at: expected a fraction of the budget, seconds ('45s') or "
                                     "tokens ('2e6 tokens'), got '10 minutes'"),
