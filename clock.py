@@ -47,7 +47,8 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # what d
 COST_IGNORED = ("optim.muon_lr", "optim.muon_momentum", "optim.muon_momentum_start", "optim.muon_momentum_warmup",
                 "optim.embed_lr", "optim.head_lr", "optim.scalar_lr", "optim.beta1", "optim.beta2",
                 "optim.weight_decay", "optim.warmup", "optim.warmdown", "optim.lr_floor", "model.qk_gain_init",
-                "model.embed_init_std", "model.rope_base", "model.attn_gate_scale")
+                "model.embed_init_std", "model.rope_base", "model.attn_gate_scale",
+                "optim.ema_blend", "optim.ema_prewarm", "optim.mtp_until")
 
 
 def machine(accelerator="") -> str:

@@ -116,6 +116,12 @@ class OptimConfig:
     lr_floor: float
     grad_clip: float
     ema: float
+    ema_every: int
+    ema_blend: float
+    ema_prewarm: bool
+    mtp_weights: tuple
+    mtp_until: tuple
+    mask_bos_targets: bool
 
 
 @dataclass(frozen=True)
@@ -242,6 +248,10 @@ non_negative = (lambda v: v >= 0, ">= 0")
 fraction = (lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
+def number(v) -> bool:  # an element of a list-valued key: YAML's int or float, finite, not a bool
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def one_of(*choices):
     return (lambda v: v in choices, "one of " + " | ".join(choices))
 
@@ -266,7 +276,9 @@ CHECKS = {
     "model.bigram_buckets": (lambda v: v == 0 or v >= 2, "0 (off) or >= 2"), "optim.muon_momentum_start": fraction,
     "optim.muon_momentum_warmup": fraction, "optim.batch_tokens": positive,
     "optim.micro_batch": positive, "optim.muon_lr": non_negative, "optim.muon_momentum": fraction,
-    "optim.ema": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.ema": (lambda v: 0 <= v < 1, "in [0, 1)"), "optim.ema_every": positive, "optim.ema_blend": fraction,
+    "optim.mtp_weights": (lambda v: all(number(w) and w >= 0 for w in v), "a list of numbers >= 0"),
+    "optim.mtp_until": (lambda v: all(number(u) and 0 < u <= 1 for u in v), "a list of numbers in (0, 1]"),
     "optim.muon_ns_steps": positive, "optim.embed_lr": non_negative, "optim.head_lr": non_negative,
     "optim.scalar_lr": non_negative, "optim.beta1": fraction, "optim.beta2": fraction,
     "optim.weight_decay": non_negative, "optim.warmup": fraction, "optim.warmdown": fraction,
@@ -399,6 +411,9 @@ def validate(cfg: Config):
     if m.parallel_lanes == 2 and cfg.mod.granularity != "none":
         raise ConfigError(f"model.parallel_lanes=2: two residual lanes are not routed; expected mod.granularity=none, "
                           f"got {cfg.mod.granularity}")
+    if len(o.mtp_until) != len(o.mtp_weights) or any(a <= b for a, b in zip(o.mtp_until, o.mtp_until[1:])):
+        raise ConfigError(f"optim.mtp_until: expected one progress per optim.mtp_weights entry ({len(o.mtp_weights)}), "
+                          f"decreasing (the farthest target fades first), got {list(o.mtp_until)}")
     if o.warmup + o.warmdown > 1:
         raise ConfigError(f"optim.warmup + optim.warmdown must be <= 1, got {o.warmup} + {o.warmdown}")
     if o.batch_tokens % (o.micro_batch * cfg.data.seq_len):
@@ -609,7 +624,9 @@ RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_bucket
                   "optim.muon_row_norm", "optim.muon_wd",
                   "optim.muon_momentum_start", "optim.muon_momentum_warmup", "schedule.grow_init",
                   "budget.reference_step_ms", "device.attn_dtype", "mod.recur", "schedule.recur_gate",
-                  "data.tokenizer_kind", "budget.charge", "budget.startup_steps", "budget.startup_cap_s")
+                  "data.tokenizer_kind", "budget.charge", "budget.startup_steps", "budget.startup_cap_s",
+                  "optim.ema_every", "optim.ema_blend", "optim.ema_prewarm", "optim.mtp_weights", "optim.mtp_until",
+                  "optim.mask_bos_targets")
 
 
 @functools.cache
@@ -622,7 +639,7 @@ def recipe(flat_config: dict, data_sha: str) -> str:
     """12 hex digits naming what is learned: the flattened config without RECIPE_IGNORED (and the
     RECIPE_NEUTRAL keys at their base.yaml value), and the data fingerprint (which stands for the
     data paths)."""
-    neutral = base_values()
-    kept = {k: v for k, v in flat_config.items()
-            if k not in RECIPE_IGNORED and not (k in RECIPE_NEUTRAL and v == neutral[k])}
+    neutral = base_values()  # YAML's lists, which the config holds as tuples
+    kept = {k: v for k, v in flat_config.items() if k not in RECIPE_IGNORED
+            and not (k in RECIPE_NEUTRAL and (list(v) if isinstance(v, tuple) else v) == neutral[k])}
     return hashlib.sha256(json.dumps([kept, data_sha], sort_keys=True, default=list).encode()).hexdigest()[:12]

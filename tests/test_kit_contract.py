@@ -46,7 +46,8 @@ def trained(tmp_path, *overrides, steps=4) -> Path:
 
 
 # Every model feature load_for_eval must rebuild: routing at each granularity, loops (gated, routed), annealing
-# stages, the EMA, and the record items (switching stages by tokens: 512 tokens per smoke step).
+# stages, the EMA, the record items (switching stages by tokens: 512 tokens per smoke step), and the lineage's
+# training-loss levers (its forward without them) with its EMA blend.
 LOOP = "schedule.stages=[{at: 0}, {at: '1024 tokens', recur: 2, recur_span: [0, 1]}]"
 FEATURES = {
     "dense": (),
@@ -65,6 +66,8 @@ FEATURES = {
     "unet": ("model.unet=true", "model.skip_gates=true", "model.parallel_layers=1"),
     "lanes": ("model.parallel_layers=2", "model.parallel_lanes=2", "model.mlp=swiglu"),
     "doc_mask": ("model.doc_mask=true",),
+    "lineage_loss": ("optim.mtp_weights=[0.5,0.25]", "optim.mtp_until=[0.45,0.2]", "optim.mask_bos_targets=true",
+                     "optim.ema=0.9", "optim.ema_every=2", "optim.ema_blend=0.6", "optim.ema_prewarm=true"),
 }
 
 
