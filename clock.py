@@ -48,7 +48,8 @@ COST_IGNORED = ("optim.muon_lr", "optim.muon_momentum", "optim.muon_momentum_sta
                 "optim.embed_lr", "optim.head_lr", "optim.scalar_lr", "optim.beta1", "optim.beta2",
                 "optim.weight_decay", "optim.head_wd", "optim.warmup", "optim.warmdown", "optim.warmdown_steps",
                 "optim.lr_floor", "model.qk_gain_init", "model.embed_init_std", "model.rope_base",
-                "model.attn_gate_scale", "model.leaky_slope", "data.row_pool", "data.row_pool_from")
+                "model.attn_gate_scale", "model.leaky_slope", "data.row_pool", "data.row_pool_from",
+                "optim.ema_blend", "optim.ema_prewarm", "optim.mtp_until")
 
 
 def machine(accelerator="") -> str:

@@ -129,6 +129,12 @@ class OptimConfig:
     lr_floor: float
     grad_clip: float
     ema: float
+    ema_every: int
+    ema_blend: float
+    ema_prewarm: bool
+    mtp_weights: tuple
+    mtp_until: tuple
+    mask_bos_targets: bool
 
 
 @dataclass(frozen=True)
@@ -259,6 +265,10 @@ non_negative = (lambda v: v >= 0, ">= 0")
 fraction = (lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
+def number(v) -> bool:  # an element of a list-valued key: YAML's int or float, finite, not a bool
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def one_of(*choices):
     return (lambda v: v in choices, "one of " + " | ".join(choices))
 
@@ -287,7 +297,9 @@ CHECKS = {
     "model.bigram_buckets": (lambda v: v == 0 or v >= 2, "0 (off) or >= 2"), "optim.muon_momentum_start": fraction,
     "optim.muon_momentum_warmup": fraction, "optim.batch_tokens": positive,
     "optim.micro_batch": positive, "optim.muon_lr": non_negative, "optim.muon_momentum": fraction,
-    "optim.ema": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.ema": (lambda v: 0 <= v < 1, "in [0, 1)"), "optim.ema_every": positive, "optim.ema_blend": fraction,
+    "optim.mtp_weights": (lambda v: all(number(w) and w >= 0 for w in v), "a list of numbers >= 0"),
+    "optim.mtp_until": (lambda v: all(number(u) and 0 < u <= 1 for u in v), "a list of numbers in (0, 1]"),
     "optim.muon_ns_steps": positive, "optim.embed_lr": non_negative, "optim.head_lr": non_negative,
     "optim.scalar_lr": non_negative, "optim.beta1": fraction, "optim.beta2": fraction,
     "optim.weight_decay": non_negative, "optim.warmup": fraction, "optim.warmdown": fraction,
@@ -434,6 +446,9 @@ def validate(cfg: Config):
     if o.warmdown_steps and not o.warmdown:
         raise ConfigError(f"optim.warmdown_steps: cuts the warm-down into steps, so it needs optim.warmdown > 0, got "
                           f"{o.warmdown_steps} steps and optim.warmdown {o.warmdown}")
+    if len(o.mtp_until) != len(o.mtp_weights) or any(a <= b for a, b in zip(o.mtp_until, o.mtp_until[1:])):
+        raise ConfigError(f"optim.mtp_until: expected one progress per optim.mtp_weights entry ({len(o.mtp_weights)}), "
+                          f"decreasing (the farthest target fades first), got {list(o.mtp_until)}")
     if o.warmup + o.warmdown > 1:
         raise ConfigError(f"optim.warmup + optim.warmdown must be <= 1, got {o.warmup} + {o.warmdown}")
     if o.batch_tokens % (o.micro_batch * cfg.data.seq_len):
@@ -681,7 +696,9 @@ RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_bucket
                   "data.tokenizer_kind", "budget.charge", "budget.startup_steps", "budget.startup_cap_s",
                   "data.row_pool", "data.row_pool_from",
                   "model.leaky_slope", "model.qk_gain_learned", "model.key_offset", "model.attn_source_after",
-                  "model.attn_source_layers")
+                  "model.attn_source_layers",
+                  "optim.ema_every", "optim.ema_blend", "optim.ema_prewarm", "optim.mtp_weights", "optim.mtp_until",
+                  "optim.mask_bos_targets")
 
 
 @functools.cache

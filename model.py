@@ -362,13 +362,15 @@ class GPT(nn.Module):
     """
 
     def __init__(self, cfg, mod=None, kernels=None, attn_float32=False, passes=1, recur_gate=False, bos=None,
-                 seq_len=None):
+                 seq_len=None, mtp=0, masked_target=None):
         """attn_float32: the attention core (SDPA) runs in float32 inside a bfloat16 autocast or with
         bfloat16 weights (the backend's choice, train.Backend.attn_float32); the rest as before.
         passes: the most passes any stage loops its span (the gates and routers the loop needs).
         bos: the tokenizer's BOS id, which starts every document: needed by document masking and
         SmearGate, kept as a buffer so that a checkpoint carries it; None = neither is used.
-        seq_len: the training rows' length (data.seq_len), needed by model.key_offset only."""
+        seq_len: the training rows' length (data.seq_len), needed by model.key_offset only.
+        mtp, masked_target: the training objective's extra targets, and a token id it leaves out as a
+        target (optim.mask_bos_targets: the BOS id), or None (objective()): neither is saved or evaluated."""
         super().__init__()
         self.cfg = cfg
         self.kernels = REFERENCE if kernels is None else kernels
@@ -392,6 +394,9 @@ class GPT(nn.Module):
         self.smear_lambda = nn.Parameter(torch.zeros(())) if cfg.smear_gate else None
         if bos is not None:
             self.register_buffer("bos", torch.as_tensor(bos))  # an id, or a checkpoint's buffer
+        self.mtp, self.masked_target = mtp, masked_target
+        if mtp:  # the extra targets' weights (set_mtp_weights): a buffer, so a new value is data, not a new graph
+            self.register_buffer("mtp_weight", torch.zeros(mtp), persistent=False)
         self.doc_mask = False  # attention within documents (model.doc_mask, a stage may switch it; set by set_active)
         for block in self.blocks:
             block.attn.float32_core = attn_float32
@@ -473,6 +478,13 @@ class GPT(nn.Module):
         for i in self.active[self.loop_span[0]:self.loop_span[1] + 1]:
             y = self.blocks[i](y, pos, mask, ve if i in self.ve_layers else None, doc)
         return y if gate is None else x + gate * (y - x)
+
+    @torch.no_grad()
+    def set_mtp_weights(self, weights):
+        """The extra targets' weights now (optim.mtp_weights), in place, from a tensor made on the host: on XLA
+        data, where a Python 0 (a faded weight) would be a graph constant; under torch.compile no recompile."""
+        if self.mtp:
+            self.mtp_weight.copy_(torch.tensor(weights, dtype=torch.float32), non_blocking=True)
 
     def set_residual_scales(self, attn: float, mlp: float):
         with torch.no_grad():
@@ -580,19 +592,52 @@ class GPT(nn.Module):
     def forward(self, idx, micro_step: int = 0):
         """idx: (B, T) int64 -> logits (B, T, V) fp32, from the reference head (load_for_eval's
         contract); training and evaluation use loss(), the fused head."""
-        logits = F.linear(self.hidden(idx, micro_step), self.head_weight).float()
+        return self.logits(self.hidden(idx, micro_step))
+
+    def logits(self, x):
+        """The reference head: final-normed x (..., C) -> soft-capped logits (..., V) fp32."""
+        logits = F.linear(x, self.head_weight).float()
         cap = self.cfg.logit_softcap
         if cap > 0:
             logits = cap * torch.tanh(logits / cap)  # bounded logits keep early training stable
         return logits
 
     def loss(self, idx, targets, reduction="mean", micro_step: int = 0):
-        """Cross-entropy in nats of targets (B, T): reduction "mean", "sum", or "none" (B*T,) fp32.
-        The routers' auxiliary loss is separate: self.aux_loss after this call."""
+        """Cross-entropy in nats of targets (B, T): reduction "mean" (the training objective), "sum", or
+        "none" (B*T,) fp32. With mtp or masked_target the training objective is objective()'s; "sum" and
+        "none" (evaluation) stay the next-token NLL. The routers' auxiliary loss is separate:
+        self.aux_loss after this call."""
         assert reduction in ("mean", "sum", "none"), reduction
         x = self.hidden(idx, micro_step)
+        if reduction == "mean" and (self.mtp or self.masked_target is not None):
+            return self.objective(x, targets)
         nll = self.kernels.head(x.flatten(0, 1), self.head_weight, targets.flatten(), self.cfg.logit_softcap)
         return nll.mean() if reduction == "mean" else nll.sum() if reduction == "sum" else nll
+
+    def objective(self, x, targets):
+        """The training loss with K82s4's multi-token prediction and BOS-target masking (FrontierForge,
+        recipes/K82s4/train.py of github marker2601/trainium-simulator: fused_ce_head, _FusedChunkedCE;
+        MTP measured -0.0043 val_bpb, docs/FINDINGS.md §1). x (B, T, C) final-normed, targets (B, T) ->
+            ( sum_t m_0(t) nll(z_t, y_t) + sum_k w_k sum_t m_k(t) nll(z_t, y_{t+k}) ) / max(1, sum_t m_0(t))
+        z_t the soft-capped logits, scored against the next token and each of the k = 1..mtp tokens after it
+        (the row's targets shifted left by k: none at its last k positions), w_k = mtp_weight (set_mtp_weights),
+        m_k(t) 0 where that target is missing or is masked_target (BOS). Not renormalised by the weights' sum, as
+        K82s4. No parameter or matmul is added (flops_per_token, active_params unchanged): MTP computes the
+        logits once with the reference head (the fused heads score one target per row); masking alone keeps
+        the configured head."""
+        masked = self.masked_target
+        valid = torch.ones_like(targets, dtype=torch.bool) if masked is None else targets != masked  # (B, T)
+        count = valid.sum().clamp(min=1)
+        if not self.mtp:
+            nll = self.kernels.head(x.flatten(0, 1), self.head_weight, targets.flatten(), self.cfg.logit_softcap)
+            return (nll * valid.flatten()).sum() / count
+        position = torch.arange(targets.size(1), device=targets.device)
+        shifts = range(self.mtp + 1)
+        columns = torch.stack([targets.roll(-k, 1) for k in shifts], -1)  # (B, T, 1 + mtp): y_{t+k}
+        present = torch.stack([valid.roll(-k, 1) & (position < targets.size(1) - k) for k in shifts], -1)
+        nll = -self.logits(x).log_softmax(-1).gather(-1, columns)  # (B, T, 1 + mtp)
+        weights = torch.cat((torch.ones_like(self.mtp_weight[:1]), self.mtp_weight))
+        return (nll * present * weights).sum() / count
 
     def reset_routing_stats(self):
         # New host-made zeros, not zero_(): on XLA they enter the next graph as data, so the first

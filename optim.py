@@ -182,3 +182,80 @@ def lr_scale(p: float, o: OptimConfig) -> float:
             return o.lr_floor + (1 - o.lr_floor) * level / (n + 1)
         return o.lr_floor + (1 - o.lr_floor) * (1 - p) / o.warmdown
     return 1.0
+
+
+# -- the lineage's training-loss and averaging levers (FrontierForge K82s4: recipes/K82s4/train.py of
+# github marker2601/trainium-simulator; effects measured there, docs/FINDINGS.md) ---------------------------
+
+def mtp_weights(p: float, o: OptimConfig) -> list:
+    """optim.mtp_weights at progress p, as GPT.set_mtp_weights takes them: extra target k's weight fades linearly
+    from optim.mtp_weights[k] to 0 between the progress where the next one's fade ended (for the farthest, 0) and
+    optim.mtp_until[k]. The farthest fades first, as in K82s4 (mtp_weight_table, mtp_stage_of: t+3's 0.25 by
+    p = 0.2, then t+2's 0.5 by 0.45). K82s4 steps through 4 levels per fade at each level's midpoint weight;
+    here the fade is continuous, equal at those midpoints (a device buffer, so no graph is added)."""
+    starts = (*o.mtp_until[1:], 0.0)
+    return [w * min(1.0, max(0.0, (until - p) / (until - start)))
+            for w, until, start in zip(o.mtp_weights, o.mtp_until, starts)]
+
+
+EMA_PREWARM_STEP = 4  # optim.ema_prewarm: the extra update follows this optimizer step (K82s4's startup steps - 1)
+
+
+def ema_weight(step: int, o: OptimConfig) -> float:
+    """w of optim.ema's update after optimizer step `step` (0-based), average <- average + w (weights - average):
+    1 - (ema^ema_every)^n for the n updates due then, one every ema_every steps and, with ema_prewarm, one after
+    step EMA_PREWARM_STEP; 0 without one. ema_every 1 without prewarm: 1 - ema every step, the EMA as before."""
+    updates = ((step + 1) % o.ema_every == 0) + (o.ema_prewarm and step + 1 == EMA_PREWARM_STEP)
+    return 1 - (o.ema ** o.ema_every) ** updates
+
+
+class WeightAverage(dict):
+    """optim.ema: each tensor the optimizers update (a parameter, or its fp32 master) -> its moving average, started
+    at the initial weights; empty when optim.ema is 0. Training never reads it; evaluation and load_for_eval use
+    weights + ema_blend * (average - weights): the average itself at 1.
+    From K82s4 (ema_update, ema_blend_host): decay 0.99 applied every 32 steps (ema_every: decay 0.99^32 = 0.725
+    per update), blend 0.6, measured about -0.0005 val_bpb (FINDINGS §3, one pair); prewarm, one extra update after
+    the 4th step: there it compiled the update before the charged clock started (about -0.0003, 15-30 steps
+    recovered); here it is only that update, long decayed by a run's end."""
+
+    def __init__(self, weights, o: OptimConfig):
+        super().__init__({w: w.detach().clone() for w in weights} if o.ema else {})
+        self.o, self.rates, self.evaluating = o, {}, False  # rates: ema_weight -> it as a device tensor (XLA)
+        self.held = {w: w.detach().clone() for w in self} if o.ema_blend != 1 else {}  # the weights during evaluation
+
+    @torch.no_grad()
+    def update_(self, step: int):
+        """The update after optimizer step `step` (ema_weight), on the device, no host sync. On XLA with ema_every
+        or ema_prewarm, w is a device tensor made once per value on the host: data, where a Python 0 (a step
+        without an update) would be a graph constant, a graph of its own; so every step is one graph. Elsewhere a
+        step without an update skips it (a lerp by 0 would change nothing)."""
+        w, weights = ema_weight(step, self.o), list(self)
+        if not weights:
+            return
+        if weights[0].device.type == "xla" and (self.o.ema_every > 1 or self.o.ema_prewarm):
+            if w not in self.rates:
+                self.rates[w] = torch.tensor([w]).to(weights[0].device)  # 1 element: a 0-dim one would be a constant
+            w = [self.rates[w].view(())] * len(weights)
+        elif not w:
+            return
+        torch._foreach_lerp_(list(self.values()), weights, w)
+
+    @torch.no_grad()
+    def swap_(self):
+        """Exchange the weights with what evaluation uses, in place (a compiled loss stays bound to the same
+        tensors); the next call exchanges them back. ema_blend 1: weights and average trade places. Otherwise the
+        weights go to `held` and become lerp(weights, average, ema_blend), and come back on the next call: both
+        directions are one computation, told apart by a flag made on the host, so on XLA one graph as the trade."""
+        if self.o.ema_blend == 1:
+            for weights, average in self.items():
+                held = weights.clone()
+                weights.copy_(average)
+                average.copy_(held)
+            return
+        self.evaluating = not self.evaluating
+        back = torch.tensor([not self.evaluating]).to(next(iter(self)).device).view(())
+        for weights, average in self.items():
+            held = self.held[weights]
+            evaluated = torch.where(back, held, torch.lerp(weights, average, self.o.ema_blend))
+            held.copy_(torch.where(back, held, weights))
+            weights.copy_(evaluated)

@@ -42,7 +42,7 @@ import ledger
 from config import (BASE_CONFIG, ROOT, Config, ConfigError, DeviceConfig, accum_steps, build, depth_order, flatten,
                     load_chain, load_config, merge, recipe, resolve_stages, stage_rows)
 from model import GPT, TILED, active_params, flops_per_token, param_count, rotation_period, training_values
-from optim import lr_scale, make_optimizers, muon_momentum
+from optim import WeightAverage, lr_scale, make_optimizers, mtp_weights, muon_momentum
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,7 +327,7 @@ def load_checkpoint(path) -> dict:
 def load_for_eval(checkpoint_path, device) -> torch.nn.Module:
     """The scorer contract: an eval-mode, single-device model whose forward(idx: LongTensor[B, T])
     returns logits [B, T, V] that depend only on the input tokens (causally). Its weights are the
-    run's moving average when it had optim.ema > 0 (what the run evaluated), else the trained ones."""
+    run's moving average (or optim.ema_blend of it) when it had optim.ema > 0 (as it evaluated), else the trained ones."""
     ckpt = load_checkpoint(checkpoint_path)
     cfg = build(Config, merge(load_chain(BASE_CONFIG), ckpt["config"]))  # keys newer than the file at their defaults
     stages = resolve_stages(cfg)
@@ -378,9 +378,10 @@ def check_writable(directory: Path, key: str):
 def memory_estimate(cfg: Config, bf16_weights: bool) -> tuple:
     """-> (bytes, parameters, activation bytes) a rank needs, roughly (model.training_values): each parameter 16
     bytes (fp32 weight, gradient, two optimizer moments; 20 with bf16 weights and fp32 masters; 4 more with
-    optim.ema), each activation value of one micro-batch 4."""
+    optim.ema, 8 with an ema_blend below 1), each activation value of one micro-batch 4."""
     params, values = training_values(cfg.model, cfg.optim.micro_batch * cfg.data.seq_len)
-    return params * ((20 if bf16_weights else 16) + (4 if cfg.optim.ema else 0)) + 4 * values, params, 4 * values
+    copies = bool(cfg.optim.ema) * (1 + (cfg.optim.ema_blend != 1))  # the average, and the weights held while blended
+    return params * ((20 if bf16_weights else 16) + 4 * copies) + 4 * values, params, 4 * values
 
 
 def check_memory(cfg: Config, backend: Backend):
@@ -521,18 +522,18 @@ class Trainer:
                                                                          for stage in self.stages], self.machine)
         self.loader, self.loader_state, self.data_wait_s = None, None, 0.0
         bos = self.bytes.bos_id if cfg.model.smear_gate or any(s.doc_mask for s in self.stages) else None
-        if bos is not None and bos < 0:
-            raise ConfigError(f"model.doc_mask, model.smear_gate: need a BOS token (it starts each document); {tokenizer} has none")
+        if self.bytes.bos_id < 0 and (bos is not None or cfg.optim.mask_bos_targets):
+            raise ConfigError(f"model.doc_mask, model.smear_gate, optim.mask_bos_targets: need a BOS token (it starts each "
+                              f"document); {tokenizer} has none")
         self.model = GPT(cfg.model, cfg.mod, self.kernels, self.backend.attn_float32, max(s.recur for s in self.stages),
-                         cfg.schedule.recur_gate, bos, cfg.data.seq_len).to(self.device)
+                         cfg.schedule.recur_gate, bos, cfg.data.seq_len, len(cfg.optim.mtp_weights),
+                         self.bytes.bos_id if cfg.optim.mask_bos_targets else None).to(self.device)
         self.masters = {}  # bf16 weights: parameter -> its fp32 master copy, which the optimizers update
         if self.backend.bf16_weights:
             self.model.to(torch.bfloat16)
             self.masters = {p: p.detach().float() for p in self.model.parameters()}
         self.optimizers = make_optimizers(self.model, cfg.optim, self.masters)
-        # optim.ema: each tensor the optimizers update (the fp32 master or the parameter) -> its moving average
-        updated = [self.masters.get(p, p) for p in self.model.parameters()]
-        self.ema = {w: w.detach().clone() for w in updated} if cfg.optim.ema else {}
+        self.ema = WeightAverage([self.masters.get(p, p) for p in self.model.parameters()], cfg.optim)  # optim.ema
         self.compiled = cfg.device.compile and not self.backend.xla
         self.loss = self.backend.compile(self.model.loss) if self.compiled else self.model.loss
         self.step_count, self.train_s, self.compile_s = 0, 0.0, 0.0
@@ -640,27 +641,32 @@ class Trainer:
 
     def state(self) -> dict:
         # `model` is what load_for_eval scores: with optim.ema the moving average, the weights then in `trained`.
-        trained = self.model_state()
-        model = {**trained, **{name: self.ema[self.masters.get(p, p)]
-                               for name, p in self.model.named_parameters()}} if self.ema else trained
-        state = dict(model=model, trained=trained if self.ema else {}, optimizers=[o.state_dict() for o in self.optimizers],
+        trained, blend = self.model_state(), self.cfg.optim.ema_blend
+        average = {name: self.ema[self.masters.get(p, p)] for name, p in self.model.named_parameters()} if self.ema else {}
+        state = dict(model={**trained, **average}, trained=trained if self.ema else {},
+                     optimizers=[o.state_dict() for o in self.optimizers],
                      loader=self.loader_state, step=self.step_count, train_s=self.train_s, compile_s=self.compile_s,
                      run_id=self.run_id, config=dataclasses.asdict(self.cfg), timeline=self.timeline, flops=self.flops,
                      # numpy's state as plain values: a checkpoint must load with weights_only=True
                      rng=dict(torch=torch.get_rng_state(), python=random.getstate(),
                               numpy=[v.tolist() if isinstance(v, np.ndarray) else v for v in np.random.get_state()],
                               cuda=torch.cuda.get_rng_state_all() if self.backend.kind == "cuda" else None))
-        return tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, state)
+        state = tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, state)
+        if average and blend != 1:  # `model` the blend, made on the host (no graph on XLA); the average in `average`
+            state["average"] = {name: state["model"][name] for name in average}
+            state["model"].update({name: torch.lerp(state["trained"][name], a, blend) for name, a in state["average"].items()})
+        return state
 
     def restore(self, ckpt: dict):
-        weights = ckpt.get("trained") or ckpt["model"]  # `model` is the average where there was one (state)
+        weights = ckpt.get("trained") or ckpt["model"]  # `model` is the average (or a blend) where there was one (state)
+        average = ckpt.get("average") or ckpt["model"]
         self.model.load_state_dict(weights)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 if p in self.masters:
                     self.masters[p].copy_(weights[name])
                 if self.ema:  # the saved average, or the weights where none was saved (optim.ema was 0)
-                    self.ema[self.masters.get(p, p)].copy_(ckpt["model"][name])
+                    self.ema[self.masters.get(p, p)].copy_(average[name])
         for opt, state in zip(self.optimizers, ckpt["optimizers"]):
             # The state (moments, buffers) carries on; hyperparameters are this run's config's.
             settings = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
@@ -704,6 +710,7 @@ class Trainer:
                 group["lr"] = group["peak_lr"] * scale
         for group in self.optimizers[0].param_groups:  # Muon
             group["momentum"] = muon_momentum(progress, self.cfg.optim)
+        self.model.set_mtp_weights(mtp_weights(progress, self.cfg.optim))
         loss_sum = torch.zeros((), device=self.device)
         for micro, (x, y) in enumerate(self.inputs):
             with self.backend.autocast():
@@ -726,8 +733,7 @@ class Trainer:
             for p, master in self.masters.items():
                 p.copy_(master)
                 master.grad = None  # a parameter skipped next step (routing, annealing) must get no update
-            if self.ema:  # on the device, no host sync
-                torch._foreach_lerp_(list(self.ema.values()), list(self.ema), 1 - self.cfg.optim.ema)
+        self.ema.update_(self.step_count)
         self.model.zero_grad(set_to_none=True)
         self.step_count += 1
         return loss
@@ -803,15 +809,11 @@ class Trainer:
 
     @torch.no_grad()
     def swap_ema(self):
-        """optim.ema: exchange the weights the optimizers update with their moving average, in place (the
-        compiled loss stays bound to the same tensors), and refresh bf16 weights from their masters;
-        evaluation runs between two calls. On XLA the swap is a graph of its own (evaluation's stays one)."""
+        """optim.ema: exchange the weights the optimizers update with what is evaluated (WeightAverage.swap_), refresh
+        bf16 weights from their masters; evaluation runs between two calls. On XLA a graph of its own (eval's stays one)."""
         if not self.ema:
             return
-        for weights, average in self.ema.items():
-            held = weights.clone()
-            weights.copy_(average)
-            average.copy_(held)
+        self.ema.swap_()
         for p, master in self.masters.items():
             p.copy_(master)
         self.backend.mark_step()

@@ -46,7 +46,8 @@ def trained(tmp_path, *overrides, steps=4) -> Path:
 
 
 # Every model feature load_for_eval must rebuild: routing at each granularity, loops (gated, routed), annealing
-# stages, the EMA, the record items (switching stages by tokens: 512 tokens per smoke step) and the lineage's levers.
+# stages, the EMA, the record items (switching stages by tokens: 512 tokens per smoke step), the lineage's model
+# levers, and its training-loss levers (its forward without them) with its EMA blend.
 LOOP = "schedule.stages=[{at: 0}, {at: '1024 tokens', recur: 2, recur_span: [0, 1]}]"
 FEATURES = {
     "dense": (),
@@ -68,6 +69,8 @@ FEATURES = {
     "lineage": ("model.mlp=leaky_relu2", "model.leaky_slope=0.35", "model.qk_gain_learned=false",
                 "model.qk_gain_init=1.44", "model.key_offset=0.3", "model.attn_source_after=0",
                 "model.attn_source_layers=[1]", "model.value_embed=true", "model.x0_shortcut=true"),
+    "lineage_loss": ("optim.mtp_weights=[0.5,0.25]", "optim.mtp_until=[0.45,0.2]", "optim.mask_bos_targets=true",
+                     "optim.ema=0.9", "optim.ema_every=2", "optim.ema_blend=0.6", "optim.ema_prewarm=true"),
 }
 
 
