@@ -475,7 +475,8 @@ class Trainer:
             kit.check_launch(int(os.environ.get("WORLD_SIZE", "1")), logical_nc_config())
         self.resumed = load_checkpoint(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
         if self.resumed:
-            old = flatten({k: self.resumed["config"][k] for k in ("model", "mod")})
+            saved = dataclasses.asdict(build(Config, merge(load_chain(BASE_CONFIG), self.resumed["config"])))  # newer keys: defaults
+            old = flatten({k: saved[k] for k in ("model", "mod")})
             new = flatten({k: dataclasses.asdict(cfg)[k] for k in ("model", "mod")})
             diff = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
                              if old.get(k) != new.get(k) and k != "mod.capacity")  # capacity may change

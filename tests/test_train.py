@@ -180,6 +180,21 @@ def test_resume_rejects_a_different_model(tmp_path, builtin_1024):
                                                          "model.n_layer=3")))
 
 
+def test_resume_takes_a_checkpoint_from_before_newer_keys(tmp_path, builtin_1024):
+    """A checkpoint written before a model key existed (the key absent from its config) resumes as the
+    same model: the missing key is its base.yaml default (a list-valued one too), not a difference."""
+    trainer = train.Trainer(load_config(SMOKE, smoke_overrides(tmp_path, "budget.max_steps=1")))
+    trainer.train()
+    ckpt = torch.load(trainer.checkpoint_path, weights_only=False)
+    for key in ("key_offset", "attn_source_layers"):
+        del ckpt["config"]["model"][key]
+    torch.save(ckpt, trainer.checkpoint_path)
+    resumed = train.Trainer(load_config(SMOKE, smoke_overrides(tmp_path, f"checkpoint.resume={trainer.checkpoint_path}")))
+    assert resumed.step_count == 1
+    with pytest.raises(ConfigError, match=r"model.key_offset: 0.0 -> 0.3"):
+        train.Trainer(load_config(SMOKE, smoke_overrides(tmp_path, f"checkpoint.resume={trainer.checkpoint_path}",
+                                                         "model.key_offset=0.3")))
+
 def test_sigterm_checkpoints_and_records_interrupted(tmp_path, builtin_1024):
     args = smoke_overrides(tmp_path, "budget.max_steps=0", "budget.seconds=600", "run.log_every=1")
     proc = subprocess.Popen([sys.executable, "train.py", "--config", str(SMOKE), *args], cwd=ROOT,
