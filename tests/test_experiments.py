@@ -25,7 +25,7 @@ def perturbed(value):
     if isinstance(value, bool):
         return not value
     if isinstance(value, (int, float)):
-        return value * 2 + 1
+        return value * 2 + 1 if value != -1 else 0  # -1 (an "off" or "same as" marker) is its own 2x + 1
     if isinstance(value, str):
         return value + "x"
     return tuple(value) + (1,)
