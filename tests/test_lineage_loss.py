@@ -21,6 +21,7 @@ from model import GPT, active_params, param_count
 from optim import ema_weight, mtp_weights
 from test_backends import XLA_GRAPHS, note, run, smoke_args
 from test_kit_contract import check_contract
+from test_newer_records import tokens
 from test_recipe_items import ema_by_name, step, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,13 +43,6 @@ def build(seed=0, **kw):
         for p in model.parameters():
             p.normal_(std=0.3)
     return model
-
-
-def tokens(batch=2, length=64, seed=1, starts=(0, 23, 41)):
-    """Random tokens (never BOS) with a BOS at each of `starts`."""
-    idx = torch.randint(2, 1024, (batch, length), generator=torch.Generator().manual_seed(seed))
-    idx[:, list(starts)] = BOS
-    return idx
 
 
 def by_hand(model, idx, targets, weights, bos=-1):

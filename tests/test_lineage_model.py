@@ -18,8 +18,9 @@ import optim
 import train
 from config import ConfigError, load_config
 from kernels.reference import rms_norm
-from model import GPT, active_params, flops_per_token, param_count, slow_pairs
+from model import active_params, flops_per_token, param_count, slow_pairs
 from test_backends import XLA_GRAPHS, run, smoke_args
+from test_newer_records import build, cfg_with, tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"
@@ -35,29 +36,6 @@ SLOW = [5, 6, 7, 13, 14, 15]  # their key dimensions: pair i is dimensions i and
 EXTRAS = ("model.value_embed=true", "model.bigram_buckets=64", "model.x0_shortcut=true")
 KEYS = ("model.leaky_slope", "model.qk_gain_learned", "model.key_offset", "model.attn_source_after",
         "model.attn_source_layers")
-
-
-def cfg_with(*overrides):
-    return load_config(SMOKE, ["model.n_layer=4", *overrides])
-
-
-def build(*overrides, seed=0, random=True):
-    """A model with every weight random (zero-initialised projections would hide a branch)."""
-    c = cfg_with(*overrides)
-    torch.manual_seed(seed)
-    model = GPT(c.model, c.mod, bos=BOS, seq_len=c.data.seq_len)
-    if random:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(std=0.3)
-    return model
-
-
-def tokens(batch=2, length=64, seed=1, starts=(0, 23, 41)):
-    """Random tokens (never BOS) with a BOS at each of `starts`: documents."""
-    idx = torch.randint(2, 1024, (batch, length), generator=torch.Generator().manual_seed(seed))
-    idx[:, list(starts)] = BOS
-    return idx
 
 
 def attention_by_hand(attn, x, slow=(), doc=None):

@@ -41,7 +41,7 @@ def build(*overrides, seed=0, random=True):
     """A model with every weight random (zero-initialised projections and gates would hide a branch)."""
     c = cfg_with(*overrides)
     torch.manual_seed(seed)
-    model = GPT(c.model, c.mod, bos=BOS)
+    model = GPT(c.model, c.mod, bos=BOS, seq_len=c.data.seq_len)
     if random:
         with torch.no_grad():
             for p in model.parameters():
