@@ -200,6 +200,7 @@ class BudgetConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     tokens: int
+    seq_len: int
     batch_size: int
     every_seconds: float
     curve_tokens: int
@@ -309,7 +310,8 @@ CHECKS = {
     "optim.lr_floor": fraction, "optim.grad_clip": non_negative, "budget.seconds": positive,
     "budget.max_steps": non_negative, "budget.charge": one_of("aion", "kit"),
     "budget.startup_steps": positive, "budget.startup_cap_s": non_negative, "budget.clock": one_of("wall", "calibrated"),
-    "budget.reference_step_ms": non_negative, "eval.tokens": non_negative, "eval.batch_size": positive,
+    "budget.reference_step_ms": non_negative, "eval.tokens": non_negative, "eval.seq_len": non_negative,
+    "eval.batch_size": positive,
     "eval.every_seconds": non_negative, "eval.curve_tokens": non_negative,
     "eval.kit_seq_len": positive, "eval.kit_tokens": non_negative,
     "device.type": one_of("auto", "cpu", "cuda", "xla", "neuron"),
@@ -639,6 +641,16 @@ def stage_rows(cfg: Config, stage: Stage) -> float:
     return cfg.optim.micro_batch * cfg.data.seq_len * stage.batch_tokens / (cfg.optim.batch_tokens * stage.seq_len)
 
 
+def eval_seq_len(cfg: Config) -> int:
+    """The windows AION's val_bpb scores: eval.seq_len, 0 = the training rows' data.seq_len."""
+    return cfg.eval.seq_len or cfg.data.seq_len
+
+
+def eval_rows(cfg: Config, seq_len: int) -> int:
+    """Rows of seq_len per evaluation forward: eval.batch_size rows of data.seq_len's tokens (at least one row)."""
+    return max(1, cfg.eval.batch_size * cfg.data.seq_len // seq_len)
+
+
 def accum_steps(cfg: Config, world_size: int) -> int:
     """Micro-batches per optimizer step on each rank; the global batch must split evenly over the ranks."""
     rank_tokens = cfg.optim.micro_batch * cfg.data.seq_len * world_size
@@ -698,7 +710,7 @@ RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_bucket
                   "model.leaky_slope", "model.qk_gain_learned", "model.key_offset", "model.attn_source_after",
                   "model.attn_source_layers",
                   "optim.ema_every", "optim.ema_blend", "optim.ema_prewarm", "optim.mtp_weights", "optim.mtp_until",
-                  "optim.mask_bos_targets")
+                  "optim.mask_bos_targets", "eval.seq_len")
 
 
 @functools.cache

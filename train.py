@@ -39,8 +39,8 @@ import kernels
 import kernels.profile
 import kit
 import ledger
-from config import (BASE_CONFIG, ROOT, Config, ConfigError, DeviceConfig, accum_steps, build, depth_order, flatten,
-                    load_chain, load_config, merge, recipe, resolve_stages, stage_rows)
+from config import (BASE_CONFIG, ROOT, Config, ConfigError, DeviceConfig, accum_steps, build, depth_order, eval_rows,
+                    eval_seq_len, flatten, load_chain, load_config, merge, recipe, resolve_stages, stage_rows)
 from model import GPT, TILED, active_params, flops_per_token, param_count, rotation_period, training_values
 from optim import WeightAverage, lr_scale, make_optimizers, mtp_weights, muon_momentum
 
@@ -512,8 +512,8 @@ class Trainer:
             raise data.DataError(f"tokenizer {tokenizer} has {self.bytes.vocab_size} tokens but "
                                  f"model.vocab_size is {cfg.model.vocab_size}")
         self.bytes = self.bytes.to(self.device)
-        next(data.val_batches(self.val_files, cfg.data.seq_len, cfg.eval.batch_size, cfg.model.vocab_size,
-                              max_tokens=cfg.eval.tokens), None)  # headers, token ids, at least one window
+        seq_len = eval_seq_len(cfg)  # headers, token ids, at least one window:
+        next(data.val_batches(self.val_files, seq_len, eval_rows(cfg, seq_len), cfg.model.vocab_size, max_tokens=cfg.eval.tokens), None)
         self.stages = resolve_stages(cfg)
         flat = flatten(dataclasses.asdict(cfg))
         self.recipe, self.machine = recipe(flat, self.data_sha), clock.machine(self.backend.accelerator)
@@ -757,12 +757,13 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, max_tokens: int, max_batches=0):
         """-> (val_loss nats/token, val_bpb, target tokens, target bytes) over the first max_tokens of the validation
-        split (0 = all of it), non-overlapping windows of data.seq_len, sharded over ranks. Every batch has the
-        same shape (a short last one is padded and weighed 0), so XLA compiles one eval graph."""
+        split (0 = all of it), non-overlapping windows of eval.seq_len (0: data.seq_len), sharded over ranks. Every
+        batch has the same shape (a short last one is padded and weighed 0), so XLA compiles one eval graph."""
         self.model.eval()
         self.swap_ema()
         self.model.reset_routing_stats()
-        batch, seq_len = self.cfg.eval.batch_size, self.cfg.data.seq_len
+        seq_len = eval_seq_len(self.cfg)
+        batch = eval_rows(self.cfg, seq_len)
         # Made on the host, so every batch's graph sees them as data: one eval graph, not two.
         # (torch-xla turns a 0-dim host tensor into a graph constant; a 1-element one stays data.)
         nll = torch.zeros(1, dtype=self.backend.sum_dtype).to(self.device)
@@ -799,8 +800,8 @@ class Trainer:
         token_bytes; on this rank alone (the kit scores on one device). -> val_bpb."""
         e, start = self.cfg.eval, time.perf_counter()
         model = load_for_eval(self.checkpoint_path, self.device)
-        rows = max(1, e.batch_size * self.cfg.data.seq_len // e.kit_seq_len)  # the tokens of one of evaluate's batches
-        batches = data.packed_val_batches(self.val_files, e.kit_seq_len, rows, self.cfg.model.vocab_size,
+        batches = data.packed_val_batches(self.val_files, e.kit_seq_len, eval_rows(self.cfg, e.kit_seq_len),
+                                          self.cfg.model.vocab_size,
                                           self.bytes.bos_id, e.kit_tokens)
         bpb, _, n_bytes, tokens = kit.evaluate_bpb(model, itertools.islice(batches, max_batches or None), self.kit_bytes,
                                                    self.backend)
