@@ -53,11 +53,12 @@ RECORDED = [("cpu-20261201-152908-fa5f", ()), ("mod-20261201-153204-3f75", ()), 
 
 
 def on_sp1024(path: Path, tmp_path: Path) -> Path:
-    """A config recorded when configs/cpu.yaml was today's configs/cpu_sp1024.yaml, rebased onto that file."""
+    """A config recorded when configs/cpu.yaml was today's configs/cpu_sp1024.yaml, rebased onto that file (the
+    configs based on it then are based on configs/cpu_windows256.yaml today)."""
     if path.name == "cpu.yaml":
         return ROOT / "configs" / "cpu_sp1024.yaml"
     copy = tmp_path / path.name
-    copy.write_text(path.read_text().replace("base: cpu.yaml", f"base: {ROOT / 'configs' / 'cpu_sp1024.yaml'}"))
+    copy.write_text(path.read_text().replace("base: cpu_windows256.yaml", f"base: {ROOT / 'configs' / 'cpu_sp1024.yaml'}"))
     return copy
 
 

@@ -24,13 +24,13 @@ from test_clock import calibration
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"
-CPU = ROOT / "configs" / "cpu.yaml"
+CPU = ROOT / "configs" / "cpu_windows256.yaml"
 # Every key on, at the lineage's values (the decays' on an untied head), on a 4-layer smoke shape.
 ALL_ON = ("optim.normuon_beta2=0.9", "optim.muon_wd=0.02", "optim.muon_wd_cautious=true", "optim.mlp_proj_lr=0.8",
           "model.tie_embeddings=false", "optim.weight_decay=0.001", "optim.head_wd=0.01", "optim.warmdown=0.7",
           "optim.warmdown_steps=19")
 KEYS = ("optim.normuon_beta2", "optim.muon_wd_cautious", "optim.mlp_proj_lr", "optim.head_wd", "optim.warmdown_steps")
-# K82s4's batch ramp on configs/cpu.yaml (8,192 tokens a step): the full batch for 20 steps, a quarter at LR x 0.35
+# K82s4's batch ramp on configs/cpu_windows256.yaml (8,192 tokens a step): the full batch for 20 steps, a quarter at LR x 0.35
 # until 6 % of the budget, a half at x 0.6 until 20 %, then the full batch.
 RAMP = ("schedule.stages=[{at: 0}, {at: 163840 tokens, batch_tokens: 2048, lr: 0.35}, "
         "{at: 0.06, batch_tokens: 4096, lr: 0.6}, {at: 0.2, batch_tokens: 8192}]")

@@ -39,7 +39,8 @@ def plan(capsys, monkeypatch, config, *overrides, world="1", lnc="2") -> dict:
 
 @pytest.mark.parametrize("name,graphs", [
     ("cpu_sp1024.yaml", XLA_GRAPHS),
-    ("cpu.yaml", XLA_GRAPHS + 2),  # the kit's protocol: load_for_eval's model's scalar buffers, then its rows
+    ("cpu_windows256.yaml", XLA_GRAPHS + 2),  # the kit's protocol: load_for_eval's model's scalar buffers, then its rows
+    ("cpu.yaml", XLA_GRAPHS + 6),  # and the batch ramp's three later stages' steady steps, optim.ema's swap
     # The first step, each of three stages' steady steps, the first step of the stage that adds layers, eval, the kit's.
     ("aion.yaml", XLA_GRAPHS + 5),
     ("trn2.yaml", XLA_GRAPHS + 2),
@@ -48,7 +49,8 @@ def test_the_plan_has_the_built_models_numbers(capsys, monkeypatch, name, graphs
     table = plan(capsys, monkeypatch, CONFIGS / name)
     cfg = load_config(CONFIGS / name)
     stages = resolve_stages(cfg)
-    model = GPT(cfg.model, cfg.mod, passes=max(s.recur for s in stages), recur_gate=cfg.schedule.recur_gate)
+    model = GPT(cfg.model, cfg.mod, passes=max(s.recur for s in stages), recur_gate=cfg.schedule.recur_gate,
+                seq_len=cfg.data.seq_len)
     head = table["plan"]
     assert int(head["params"]) == param_count(model)
     assert int(head["tokens_per_step"]) == int(head["tokens_per_rank"]) == cfg.optim.batch_tokens
