@@ -19,6 +19,8 @@ A search file is a sweep file (sweep.py) with a `search:` section instead of var
         schedule.stages: [{at: 0, depth: 2}, {at: $grow_at, depth: 4}]
       prune: {at: [0.25, 0.5], keep: 0.5}   # optional: at these fractions of the budget keep the best half
                                         #   (after: 5 trials have finished)
+      enqueue: [{model.n_layer: 4, ...}]  # optional: trials to run first, a value for each space name (the
+                                        #   base config's own, say), each once per study
       confirm: {best: 3, seeds: [1337, 7, 2024]}  # the best trials again at the config's budget, paired
                                         #   against the config (or against: another config file)
       calibration_rounds: 10            # rounds of each trial's cost calibration
@@ -80,7 +82,7 @@ import locks
 import sweep
 from config import ConfigError, flatten, load_config
 
-KEYS = {"trials", "seed", "budget", "space", "templates", "prune", "confirm", "calibration_rounds"}
+KEYS = {"trials", "seed", "budget", "space", "templates", "prune", "confirm", "calibration_rounds", "enqueue"}
 COUNTED = ("ok", "pruned", "diverged", "failed")  # outcomes of trials that ran
 # Validation before the calibration exists: the clock the trials will run under (the file is read only by a run).
 CHECKED_CLOCK = ("budget.clock=calibrated", "budget.calibration=unread.json")
@@ -155,10 +157,22 @@ def load(path: Path, doc: dict = None) -> dict:
     space = {name: distribution(f"{where}.space.{name}", value) for name, value in (s.get("space") or {}).items()}
     if not space:
         raise SearchError(f"{where}.space: expected at least one key to search")
+    enqueue = s.get("enqueue") or []
+    if not isinstance(enqueue, list) or not all(isinstance(params, dict) for params in enqueue):
+        raise SearchError(f"{where}.enqueue: expected a list of {{name: value}} mappings, got {enqueue!r}")
+    for i, params in enumerate(enqueue):
+        if set(params) != set(space):
+            raise SearchError(f"{where}.enqueue[{i}]: expected a value for each space name; missing "
+                              f"{sorted(set(space) - set(params))}, unknown {sorted(set(params) - set(space))}")
+        for name, value in params.items():
+            d = space[name]
+            if not (value in d.choices if isinstance(d, optuna.distributions.CategoricalDistribution)
+                    else isinstance(value, (int, float)) and not isinstance(value, bool) and d.low <= value <= d.high):
+                raise SearchError(f"{where}.enqueue[{i}].{name}: {value!r} is outside the space ({d})")
     spec = dict(name=sweep.plain_name(doc.get("name"), f"{path}: name"), config=doc["config"],
                 overrides=doc.get("overrides") or [], out=path.parent / doc["name"], clock="calibrated",
                 search=dict(trials=trials, seed=seed, budget=budget, space=space, templates=templates, prune=prune,
-                            confirm=confirm, rounds=rounds))
+                            confirm=confirm, rounds=rounds, enqueue=enqueue))
     check_space(spec, where, flatten(dataclasses.asdict(cfg)))
     return spec
 
@@ -378,6 +392,8 @@ class Worker:
         # never replays another's draws (Optuna's random start-up trials come from this seed).
         seed = hash((self.s["seed"], len(self.study.trials), os.getpid())) % 2**31
         self.study.sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True)
+        for params in self.s["enqueue"]:  # asked before any draw; once per study, however often a worker starts
+            self.study.enqueue_trial(params, skip_if_exists=True)
         self.study.set_user_attr("machine", self.base.here)
         self.running = {}  # trial number -> dict(trial, child, lock, variant, sweep, start, points, reported)
         self.stop_signal, self.walls, self.calibrating = None, [], None

@@ -57,6 +57,9 @@ def trials(tmp_path, name="tiny"):
     (SPACE, {"confirm": {"seeds": [1]}}, "confirm.seeds: expected at least two"),
     (SPACE, {"tirals": 3}, "unknown tirals"),
     (SPACE, {"confirm": {"against": "configs/nope.yaml"}}, "confirm.against: config file"),
+    (SPACE, {"enqueue": [{"optim.muon_lr": 0.5}]}, "enqueue[0].optim.muon_lr: 0.5 is outside the space"),
+    (SPACE, {"enqueue": [{"optim.muon_rl": 0.02}]}, "enqueue[0]: expected a value for each space name; missing "
+                                                    "['optim.muon_lr'], unknown ['optim.muon_rl']"),
     ({"start": {"float": [0.2, 0.6]}}, {"templates": {"schedule.stage": [{"at": 0}]}},
      "templates: unknown config key schedule.stage"),
 ])
@@ -88,6 +91,15 @@ def test_templates_fill_sampled_names_and_the_rest_are_keys():
     spec = dict(search=dict(templates={"schedule.stages": [{"at": 0, "depth": "$d0"}, {"at": "$at", "depth": 4}]}))
     assert search.trial_overrides(spec, {"d0": 2, "at": 0.3, "optim.muon_lr": 0.02}) == [
         "optim.muon_lr=0.02", "schedule.stages=[{at: 0, depth: 2}, {at: 0.3, depth: 4}]"]
+
+
+def test_enqueued_trials_are_asked_first_and_queued_once_per_study(tmp_path, builtin_1024):
+    spec = search.load(write_search(tmp_path, enqueue=[{"optim.muon_lr": 0.02}]))
+    for _ in range(2):  # a restarted worker does not queue it again
+        worker = search.Worker(spec, extra(tmp_path))
+    assert [t.state for t in worker.study.trials] == [optuna.trial.TrialState.WAITING]
+    first, second = (worker.study.ask(spec["search"]["space"]) for _ in range(2))
+    assert first.params == {"optim.muon_lr": 0.02} and second.params != first.params
 
 
 def test_a_draw_that_does_not_validate_is_failed_and_not_counted(tmp_path, builtin_1024, capsys):
