@@ -10,21 +10,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import config
 import data
 import ledger
 import train
-from config import load_config
+from config import ConfigError, flatten, load_config, recipe
 from test_backends import XLA_GRAPHS, run, smoke_args
+from test_lineage_model import trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"
 
 
 def trained(tmp_path, *extra):
-    t = train.Trainer(load_config(SMOKE, [f"data.path={ROOT / 'data' / 'builtin'}", f"run.out_dir={tmp_path / 'runs'}",
-                                          f"ledger.path={tmp_path / 'ledger.csv'}", "run.profile_steps=0",
-                                          "budget.max_steps=3", f"checkpoint.path={tmp_path / 'c.pt'}", *extra]))
+    t = trainer(tmp_path, "budget.max_steps=3", f"checkpoint.path={tmp_path / 'c.pt'}", *extra)
     t.train()
     return t
 
@@ -53,17 +51,16 @@ def test_longer_windows_score_by_hand(tmp_path, builtin_1024, extra):
     model = train.load_for_eval(tmp_path / "c.pt", "cpu")
     with torch.no_grad():
         nll = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="sum").item()
-    table = data.ByteTable(ROOT / "data" / "builtin" / "sp1024" / "tokenizer.model")
-    assert n_tokens == 16 * 256 and n_bytes == int(table.target_bytes(x, y).sum())
+    assert n_tokens == 16 * 256 and n_bytes == int(t.bytes.target_bytes(x, y).sum())
     assert loss == pytest.approx(nll / n_tokens, rel=1e-5)
     assert bpb == pytest.approx(nll / (math.log(2) * n_bytes), rel=1e-5)
 
 
 def test_eval_seq_len_is_in_the_recipe_and_neutral_at_zero(tmp_path):
-    flat = config.flatten(dataclasses.asdict(load_config(SMOKE)))
-    assert config.recipe({**flat, "eval.seq_len": 0}, "d") == config.recipe(flat, "d")
-    assert config.recipe({**flat, "eval.seq_len": 2048}, "d") != config.recipe(flat, "d")
-    with pytest.raises(config.ConfigError, match="eval.seq_len"):
+    flat = flatten(dataclasses.asdict(load_config(SMOKE)))
+    assert recipe({**flat, "eval.seq_len": 0}, "d") == recipe(flat, "d")
+    assert recipe({**flat, "eval.seq_len": 2048}, "d") != recipe(flat, "d")
+    with pytest.raises(ConfigError, match="eval.seq_len"):
         load_config(SMOKE, ["eval.seq_len=-1"])
 
 
