@@ -225,7 +225,7 @@ def test_a_variant_may_start_from_another_config(tmp_path, builtin_1024):
         sweep.load_sweep(path)
 
 
-def test_plot_command_writes_pngs(tmp_path):
+def test_plot_command_writes_pngs(tmp_path, monkeypatch):
     runs = tmp_path / "runs"
     rows = []
     for i, variant in enumerate(["a", "a", "b", "b"]):
@@ -245,6 +245,12 @@ def test_plot_command_writes_pngs(tmp_path):
         assert ledger.main(["plot", *args, "--out", str(out), "--runs-dir", str(runs),
                             "--path", str(tmp_path / "ledger.csv")]) == 0
         assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+    drawn = {}  # LABEL=ARM: the arm's runs under the label (a config's name in a figure, not a sweep's)
+    monkeypatch.setattr(ledger, "plot_curves", lambda arms, out, runs_dir: drawn.update(arms))
+    assert ledger.main(["plot", "curves", "configs/cpu.yaml=s/a", "s/b", "--out", str(tmp_path / "c.png"),
+                        "--path", str(tmp_path / "ledger.csv")]) == 0
+    assert {label: [r["run_id"] for r in rows] for label, rows in drawn.items()} == {
+        "configs/cpu.yaml": ["run-0", "run-1"], "s/b": ["run-2", "run-3"]}
 
 
 def test_a_sweep_resumes_only_from_a_readable_checkpoint_of_the_variants_recipe(tmp_path, builtin_1024):

@@ -8,10 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import ledger
 import train
+from config import load_config
 from tools import nanogpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +62,20 @@ def test_the_final_evaluation_scores_the_targets_and_bytes_train_py_scores(run, 
         final["val_loss"] * int(row["val_tokens"]), rel=1e-12)
 
 
+def test_a_longer_block_keeps_the_tokens_per_step_and_scores_windows_of_eval_seq_len(tmp_path, builtin_1024):
+    """--block 1024: 4 windows of 1,024 per step, learned positions up to 1,024; scored on windows of 512 (eval.seq_len),
+    4 of them per forward (eval.batch_size 2 rows of the block's tokens), the targets train.py scores there."""
+    assert nanogpt.main(["--max-steps", "1", "--block", "1024",
+                         *args(tmp_path, "eval.every_seconds=0", "eval.seq_len=512", "eval.batch_size=2",
+                               f"eval.tokens={EVAL_TOKENS}")]) == 0
+    (row,) = ledger.read(tmp_path / "ledger.csv")
+    assert int(row["tokens"]) == 4096 and int(row["val_tokens"]) == EVAL_TOKENS // 512 * 512
+    assert " --block 1024 " in row["overrides"] and "4x1024 random windows" in row["notes"]
+    assert nanogpt.eval_rows(load_config(SMOKE, ["eval.seq_len=512", "eval.batch_size=2"]), 1024) == 4
+    x, y = nanogpt.batch(np.arange(5000), np.random.default_rng(0), 1024)
+    assert x.shape == y.shape == (4, 1024) and bool((y[:, :-1] == x[:, 1:]).all())
+
+
 def test_an_untrained_model_scores_about_ln_vocab(run):
     _, records = run
     assert records[0]["step"] == 0 and abs(records[0]["val_loss"] - math.log(1024)) < 0.1
@@ -93,6 +109,8 @@ def test_sigterm_stops_between_steps_with_an_interrupted_row(tmp_path, builtin_1
     (["--seconds", "0"], "--seconds: expected > 0, got 0"),
     (["--max-steps", "-1"], "--max-steps: expected >= 0, got -1"),
     (["eval.batch_size=0"], "eval.batch_size: expected > 0, got 0"),
+    (["--block", "300"], "--block: expected a divisor of 4096 (the tokens per step), got 300"),
+    (["--block", "512", "eval.seq_len=1024"], "eval.seq_len: expected at most --block (512: the learned positions), got 1024"),
 ])
 def test_bad_input_stops_before_any_work(tmp_path, capsys, extra, message):
     assert nanogpt.main([*extra, *args(tmp_path)]) == 2

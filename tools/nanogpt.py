@@ -1,20 +1,23 @@
 """A textbook trainer, nanoGPT's recipe, timed and scored as AION's runs are: its learning curve on AION's time axis.
 
-    python -m tools.nanogpt [--config configs/cpu.yaml] [--seconds 600] [--max-steps 0] [--seed 1337] [key.sub=value ...]
+    python -m tools.nanogpt [--config configs/cpu.yaml] [--seconds 600] [--max-steps 0] [--seed 1337] [--block 256]
+                            [key.sub=value ...]
 
 The recipe is nanoGPT's, written out here (it is not installed): pre-LayerNorm blocks with biases off,
 learned positions, GELU MLP 4x, causal SDPA, tied head, init std 0.02 (0.02/sqrt(2 L) on output
 projections), AdamW (lr 6e-4, betas 0.9/0.95, weight decay 0.1 on matrices), grad clip 1.0, float32
 eager on the CPU, 16 random windows of 256 tokens per step (offsets into the train shards concatenated,
 numpy's generator seeded by --seed; torch.manual_seed(--seed) for the init). Shape: 4 layers x 256, 4 heads.
+--block N: learned positions and training windows of N tokens, 4,096 / N of them per step (nanoGPT's tokens
+per step kept), so the model can be scored on windows up to N (eval.seq_len; 0 = the block).
 nanoGPT's LR schedule, adapted to a time budget: a linear warm-up over the first 100 steps, then the
 cosine from 6e-4 to 6e-5 by p = training seconds / --seconds, where nanoGPT decays by step count.
 
 From the config only: the data (data.*), model.vocab_size, eval.*, run.out_dir, run.log_every and
-ledger.path. Training seconds are wall-clock seconds of the steps alone (batch read, forward,
+ledger.path (data.seq_len is the block's). Training seconds are wall-clock seconds of the steps alone (batch read, forward,
 backward, clip, update); evaluation is kept out. The run stops at --seconds of them, or after
 --max-steps steps when > 0. Evaluation is AION's val_bpb: train.Trainer.evaluate's windows (data.val_batches
-at 256), nats summed over the target tokens over ln(2) times their bytes (data.ByteTable). Like
+of eval.seq_len, else the block; eval.batch_size rows of the block's tokens per forward), nats summed over the target tokens over ln(2) times their bytes (data.ByteTable). Like
 train.py it writes <run.out_dir>/<run id>/metrics.jsonl (train, curve and final records, which
 ledger.read_metrics and ledger.plot_curves read) and one ledger row, recipe nanogpt; SIGINT or SIGTERM
 stops it between steps with an interrupted row and exit code 128 + the signal. Its clock is the wall:
@@ -42,9 +45,11 @@ import train
 from config import ROOT, ConfigError, load_config
 
 LAYERS, WIDTH, HEADS, SEQ, ROWS = 4, 256, 4, 256, 16
+STEP_TOKENS = ROWS * SEQ  # nanoGPT's tokens per step, whatever the block
 LR, MIN_LR, WARMUP_STEPS = 6e-4, 6e-5, 100
 NOTES = ("nanoGPT's recipe: 4x256 pre-LayerNorm GPT, learned positions, GELU, tied head; AdamW 6e-4 (0.9, 0.95), "
-         "wd 0.1 on matrices, clip 1.0; 100 warm-up steps, cosine to 6e-5 by time; 16x256 random windows; float32 eager")
+         "wd 0.1 on matrices, clip 1.0; 100 warm-up steps, cosine to 6e-5 by time; {rows}x{block} random windows; "
+         "float32 eager")
 
 
 class Block(nn.Module):
@@ -63,9 +68,9 @@ class Block(nn.Module):
 
 
 class NanoGPT(nn.Module):
-    def __init__(self, vocab):
+    def __init__(self, vocab, block=SEQ):
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, WIDTH), nn.Embedding(SEQ, WIDTH)
+        self.wte, self.wpe = nn.Embedding(vocab, WIDTH), nn.Embedding(block, WIDTH)
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(WIDTH, bias=False)
         for name, p in self.named_parameters():
@@ -89,10 +94,10 @@ def adamw(model: nn.Module) -> torch.optim.AdamW:
                              lr=LR, betas=(0.9, 0.95))
 
 
-def batch(tokens: np.ndarray, rng: np.random.Generator) -> tuple:
-    """ROWS random windows of the token stream -> (inputs, targets), int64 [ROWS, SEQ]."""
-    starts = rng.integers(0, len(tokens) - SEQ - 1, ROWS)
-    rows = torch.from_numpy(np.stack([tokens[s:s + SEQ + 1] for s in starts]).astype(np.int64))
+def batch(tokens: np.ndarray, rng: np.random.Generator, block=SEQ) -> tuple:
+    """STEP_TOKENS // block random windows of the token stream -> (inputs, targets), int64 [rows, block]."""
+    starts = rng.integers(0, len(tokens) - block - 1, STEP_TOKENS // block)
+    rows = torch.from_numpy(np.stack([tokens[s:s + block + 1] for s in starts]).astype(np.int64))
     return rows[:, :-1], rows[:, 1:]
 
 
@@ -115,12 +120,14 @@ def lr_at(step: int, progress: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: NanoGPT, val_files, batch_size: int, table: data.ByteTable, max_tokens: int, stop=lambda: False):
+def evaluate(model: NanoGPT, val_files, seq_len: int, rows: int, table: data.ByteTable, max_tokens: int,
+             stop=lambda: False):
     """-> (val_loss nats/token, val_bpb, target tokens, target bytes) over the first max_tokens targets of the
-    validation split (0 = all of it), as train.Trainer.evaluate scores them; None if stop() turns true first."""
+    validation split (0 = all of it) in windows of seq_len, rows of them per forward, as train.Trainer.evaluate
+    scores them; None if stop() turns true first."""
     model.eval()
     nll, n_tokens, n_bytes = 0.0, 0, 0
-    for x, y in data.val_batches(val_files, SEQ, batch_size, model.wte.num_embeddings, max_tokens=max_tokens):
+    for x, y in data.val_batches(val_files, seq_len, rows, model.wte.num_embeddings, max_tokens=max_tokens):
         nll += model(x, y, reduction="none").double().sum().item()
         n_tokens += y.numel()
         n_bytes += int(table.target_bytes(x, y).sum())
@@ -128,6 +135,11 @@ def evaluate(model: NanoGPT, val_files, batch_size: int, table: data.ByteTable, 
             break
     model.train()
     return None if stop() else (nll / n_tokens, nll / (math.log(2) * n_bytes), n_tokens, n_bytes)
+
+
+def eval_rows(cfg, block: int) -> int:
+    """Evaluation windows per forward: eval.batch_size rows of the block's tokens (at least one window)."""
+    return max(1, cfg.eval.batch_size * block // (cfg.eval.seq_len or block))
 
 
 class Run:
@@ -138,7 +150,8 @@ class Run:
             cfg, args, tokens, val_files, table, data_sha)
         torch.manual_seed(args.seed)
         self.rng = np.random.default_rng(args.seed)
-        self.model = NanoGPT(cfg.model.vocab_size)
+        self.model = NanoGPT(cfg.model.vocab_size, args.block)
+        self.eval_seq = cfg.eval.seq_len or args.block
         self.opt = adamw(self.model)
         self.run_id = f"nanogpt-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
         self.run_dir = Path(cfg.run.out_dir) / self.run_id
@@ -146,13 +159,13 @@ class Run:
         self.curve_points, self.curve_s = 0, 0.0
 
     def metric(self, kind: str, **values):
-        record = dict(kind=kind, step=self.step, train_s=round(self.train_s, 3), tokens=self.step * ROWS * SEQ, **values)
+        record = dict(kind=kind, step=self.step, train_s=round(self.train_s, 3), tokens=self.step * STEP_TOKENS, **values)
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
 
     def evaluate(self, max_tokens: int):
-        return evaluate(self.model, self.val_files, self.cfg.eval.batch_size, self.table, max_tokens,
-                        stop=lambda: bool(self.signals))
+        return evaluate(self.model, self.val_files, self.eval_seq, eval_rows(self.cfg, self.args.block), self.table,
+                        max_tokens, stop=lambda: bool(self.signals))
 
     def curve_point(self):
         """The same first eval.curve_tokens of the validation split; its time is kept out of training seconds."""
@@ -181,7 +194,7 @@ class Run:
             for group in self.opt.param_groups:
                 group["lr"] = self.lr
             t0 = time.perf_counter()
-            loss = train_step(self.model, self.opt, *batch(self.tokens, self.rng)).item()
+            loss = train_step(self.model, self.opt, *batch(self.tokens, self.rng, self.args.block)).item()
             elapsed = time.perf_counter() - t0
             self.step, self.train_s, self.loss_sum = self.step + 1, self.train_s + elapsed, self.loss_sum + loss
             self.step_ms.append(elapsed * 1000)
@@ -202,7 +215,7 @@ class Run:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.step * ROWS * SEQ / self.train_s if self.train_s else 0.0
+        return self.step * STEP_TOKENS / self.train_s if self.train_s else 0.0
 
     def run(self) -> dict:
         """Train, evaluate (an ok run), append the ledger row (always, also on a failure) -> the row."""
@@ -242,7 +255,8 @@ class Run:
         args, config = self.args, Path(self.args.config).resolve()
         config = config.relative_to(ROOT) if config.is_relative_to(ROOT) else config
         return " ".join([f"--config {config} --seconds {args.seconds:g} --seed {args.seed}",
-                         *([f"--max-steps {args.max_steps}"] if args.max_steps else []), *args.overrides])
+                         *([f"--max-steps {args.max_steps}"] if args.max_steps else []),
+                         *([f"--block {args.block}"] if args.block != SEQ else []), *args.overrides])
 
     @property
     def params(self) -> int:
@@ -250,7 +264,8 @@ class Run:
 
     def finish(self, status, error, final, eval_s, git_commit, git_dirty) -> dict:
         val_loss, val_bpb, val_tokens, val_bytes = final or (None,) * 4
-        notes = [NOTES] + ([self.cfg.ledger.notes] if self.cfg.ledger.notes else [])
+        notes = [NOTES.format(rows=STEP_TOKENS // self.args.block, block=self.args.block)]
+        notes += [self.cfg.ledger.notes] if self.cfg.ledger.notes else []
         if self.curve_points:
             notes.append(f"curve_evals={self.curve_points} curve_eval_s={self.curve_s:.1f}")
         if status == "diverged":
@@ -261,7 +276,7 @@ class Run:
                    git_dirty=git_dirty, config="tools/nanogpt.py", overrides=self.command, device="cpu",
                    world_size=1, seed=self.args.seed, data_sha=self.data_sha, params=self.params, active_params=self.params,
                    budget_s=self.args.seconds, train_s=self.train_s, eval_s=eval_s, steps=self.step,
-                   tokens=self.step * ROWS * SEQ, tokens_per_s=self.tokens_per_s,
+                   tokens=self.step * STEP_TOKENS, tokens_per_s=self.tokens_per_s,
                    step_ms_p50=statistics.median(self.step_ms) if self.step_ms else None, val_loss=val_loss,
                    val_bpb=val_bpb, val_tokens=val_tokens, val_bytes=val_bytes, status=status, recipe="nanogpt",
                    sweep=self.cfg.ledger.sweep, variant=self.cfg.ledger.variant, machine=clock.machine(), clock="wall",
@@ -279,6 +294,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=600.0, help="training seconds (wall clock, steps only)")
     parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps; 0 = no limit")
     parser.add_argument("--seed", type=int, default=1337, help="torch's init and numpy's window offsets")
+    parser.add_argument("--block", type=int, default=SEQ, help="learned positions and training windows; "
+                        f"{STEP_TOKENS} / block windows per step")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides; later ones win")
     args = parser.parse_intermixed_args(argv)
     try:
@@ -288,17 +305,23 @@ def main(argv=None) -> int:
             raise ConfigError(f"--max-steps: expected >= 0, got {args.max_steps}")
         if not 0 <= args.seed < 2 ** 32:
             raise ConfigError(f"--seed: expected in [0, 2**32) (numpy's seed range), got {args.seed}")
+        if args.block < 1 or STEP_TOKENS % args.block:
+            raise ConfigError(f"--block: expected a divisor of {STEP_TOKENS} (the tokens per step), got {args.block}")
         cfg = load_config(args.config, args.overrides)
+        if cfg.eval.seq_len > args.block:
+            raise ConfigError(f"eval.seq_len: expected at most --block ({args.block}: the learned positions), "
+                              f"got {cfg.eval.seq_len}")
         train_files, val_files, tokenizer, data_sha = train.open_data(cfg)
         table = data.ByteTable(tokenizer)
         if table.vocab_size != cfg.model.vocab_size:
             raise data.DataError(f"tokenizer {tokenizer} has {table.vocab_size} tokens but "
                                  f"model.vocab_size is {cfg.model.vocab_size}")
         tokens = np.concatenate([data.load_shard(f, cfg.model.vocab_size) for f in train_files])
-        if len(tokens) < SEQ + 2:
+        if len(tokens) < args.block + 2:
             raise data.DataError(f"{', '.join(map(str, train_files))}: {len(tokens)} tokens, expected at least "
-                                 f"{SEQ + 2} (one window of {SEQ} + 1)")
-        next(data.val_batches(val_files, SEQ, cfg.eval.batch_size, cfg.model.vocab_size, max_tokens=cfg.eval.tokens))
+                                 f"{args.block + 2} (one window of {args.block} + 1)")
+        next(data.val_batches(val_files, cfg.eval.seq_len or args.block, eval_rows(cfg, args.block),
+                              cfg.model.vocab_size, max_tokens=cfg.eval.tokens))
         train.check_writable(Path(cfg.run.out_dir), "run.out_dir")
         train.check_writable(Path(cfg.ledger.path).absolute().parent, "ledger.path")
         ledger.check_header(cfg.ledger.path)
