@@ -64,6 +64,7 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 import os
 import random
 import signal
@@ -165,16 +166,27 @@ def load(path: Path, doc: dict = None) -> dict:
             raise SearchError(f"{where}.enqueue[{i}]: expected a value for each space name; missing "
                               f"{sorted(set(space) - set(params))}, unknown {sorted(set(params) - set(space))}")
         for name, value in params.items():
-            d = space[name]
-            if not (value in d.choices if isinstance(d, optuna.distributions.CategoricalDistribution)
-                    else isinstance(value, (int, float)) and not isinstance(value, bool) and d.low <= value <= d.high):
-                raise SearchError(f"{where}.enqueue[{i}].{name}: {value!r} is outside the space ({d})")
+            if not in_space(space[name], value):
+                raise SearchError(f"{where}.enqueue[{i}].{name}: {value!r} is outside the space ({space[name]})")
     spec = dict(name=sweep.plain_name(doc.get("name"), f"{path}: name"), config=doc["config"],
                 overrides=doc.get("overrides") or [], out=path.parent / doc["name"], clock="calibrated",
                 search=dict(trials=trials, seed=seed, budget=budget, space=space, templates=templates, prune=prune,
                             confirm=confirm, rounds=rounds, enqueue=enqueue))
     check_space(spec, where, flatten(dataclasses.asdict(cfg)))
     return spec
+
+
+def in_space(d, value) -> bool:
+    """Whether the distribution could draw value: a choice, or a number in [low, high] on its step grid (an
+    int distribution's values are whole)."""
+    if isinstance(d, optuna.distributions.CategoricalDistribution):
+        return value in d.choices
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not d.low <= value <= d.high:
+        return False
+    if isinstance(d, optuna.distributions.IntDistribution) and not float(value).is_integer():
+        return False
+    steps = (value - d.low) / d.step if d.step else 0
+    return math.isclose(steps, round(steps), abs_tol=1e-9)
 
 
 def distribution(where, value):

@@ -58,6 +58,12 @@ def trials(tmp_path, name="tiny"):
     (SPACE, {"tirals": 3}, "unknown tirals"),
     (SPACE, {"confirm": {"against": "configs/nope.yaml"}}, "confirm.against: config file"),
     (SPACE, {"enqueue": [{"optim.muon_lr": 0.5}]}, "enqueue[0].optim.muon_lr: 0.5 is outside the space"),
+    ({"model.n_layer": {"int": [2, 6], "step": 2}}, {"enqueue": [{"model.n_layer": 3}]},
+     "enqueue[0].model.n_layer: 3 is outside the space"),  # in the range, off the step grid
+    ({"model.n_layer": {"int": [2, 4]}}, {"enqueue": [{"model.n_layer": 2.5}]},
+     "enqueue[0].model.n_layer: 2.5 is outside the space"),
+    ({"optim.muon_lr": {"float": [0.01, 0.05], "step": 0.01}}, {"enqueue": [{"optim.muon_lr": 0.025}]},
+     "enqueue[0].optim.muon_lr: 0.025 is outside the space"),
     (SPACE, {"enqueue": [{"optim.muon_rl": 0.02}]}, "enqueue[0]: expected a value for each space name; missing "
                                                     "['optim.muon_lr'], unknown ['optim.muon_rl']"),
     ({"start": {"float": [0.2, 0.6]}}, {"templates": {"schedule.stage": [{"at": 0}]}},
@@ -91,6 +97,15 @@ def test_templates_fill_sampled_names_and_the_rest_are_keys():
     spec = dict(search=dict(templates={"schedule.stages": [{"at": 0, "depth": "$d0"}, {"at": "$at", "depth": 4}]}))
     assert search.trial_overrides(spec, {"d0": 2, "at": 0.3, "optim.muon_lr": 0.02}) == [
         "optim.muon_lr=0.02", "schedule.stages=[{at: 0, depth: 2}, {at: 0.3, depth: 4}]"]
+
+
+@pytest.mark.parametrize("d, value", [
+    (optuna.distributions.IntDistribution(2, 6, step=2), 4), (optuna.distributions.IntDistribution(2, 6), 6),
+    (optuna.distributions.FloatDistribution(0.01, 0.05, step=0.01), 0.03),
+    (optuna.distributions.FloatDistribution(0.01, 0.05, log=True), 0.0123),
+    (optuna.distributions.CategoricalDistribution([True, False]), False)])
+def test_values_a_distribution_can_draw_are_in_its_space(d, value):
+    assert search.in_space(d, value)
 
 
 def test_enqueued_trials_are_asked_first_and_queued_once_per_study(tmp_path, builtin_1024):
