@@ -135,7 +135,7 @@ def test_a_draw_that_does_not_validate_is_failed_and_not_counted(tmp_path, built
     rows = ledger.read(tmp_path / "ledger.csv")
     assert sorted(r["variant"] for r in rows) == [worker.variant(t.number) for t in done if t.user_attrs["outcome"] == "ok"]
     assert all(r["status"] == "ok" and r["sweep"] == "tiny" and "model.n_embd=" in r["overrides"] for r in rows)
-    assert f"trial 0 invalid, not counted" in out and "trial 2/2 " in out
+    assert "trial 0 invalid, not counted" in out and "trial 2/2 " in out
     table = (tmp_path / "tiny" / f"trials-{worker.mhash}.md").read_text()
     assert table.count("| ok |") == 2 and "| invalid |" in table
     assert (tmp_path / "tiny" / f"history-{worker.mhash}.png").stat().st_size > 0
