@@ -4,7 +4,7 @@ train.py calls append(path, row) at the end of every run; people read the ledger
     python ledger.py show [-n N] [--path ledger.csv]
     python ledger.py compare RUN_A RUN_B [--path ledger.csv]
     python ledger.py verdict ARM_A ARM_B [--path ledger.csv]
-    python ledger.py plot curves [LABEL=]ARM [...] --out curves.png [--runs-dir runs]
+    python ledger.py plot curves [LABEL=]ARM [...] --out curves.png [--runs-dir runs] [--val-only]
     python ledger.py plot variants SWEEP --out variants.png
     python ledger.py migrate PATH   (an older schema -> PATH's name with .migrated.csv, beside it)
     python ledger.py merge A.csv B.csv ... --out ledger.csv   (hosts' ledgers -> one, each run once)
@@ -504,13 +504,15 @@ def read_metrics(runs_dir, run_id):
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
-def plot_curves(arms, out, runs_dir):
-    """Train loss and curve val_bpb of every run of each arm ({label: rows}), against training
-    seconds and tokens."""
+def plot_curves(arms, out, runs_dir, val_only=False):
+    """Train loss (unless val_only) and curve val_bpb of every run of each arm ({label: rows}), against
+    training seconds and tokens."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharey="row")
+    panels = (("curve", "val_bpb", "curve val_bpb"),) if val_only else (
+        ("train", "loss", "train loss (nats/token)"), ("curve", "val_bpb", "curve val_bpb"))
+    fig, axes = plt.subplots(len(panels), 2, figsize=(12, 4 * len(panels)), sharey="row", squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     drawn = 0
     for i, (key, rows) in enumerate(arms.items()):
@@ -518,7 +520,7 @@ def plot_curves(arms, out, runs_dir):
             records = read_metrics(runs_dir, row["run_id"])
             if not records:
                 print(f"warning: no {Path(runs_dir) / row['run_id'] / 'metrics.jsonl'}", file=sys.stderr)
-            for r, (kind, value) in enumerate((("train", "loss"), ("curve", "val_bpb"))):
+            for r, (kind, value, _) in enumerate(panels):
                 points = [p for p in records if p["kind"] == kind]
                 for c, x in enumerate(("train_s", "tokens")):
                     axes[r][c].plot([p[x] for p in points], [p[value] for p in points], color=colors[i % len(colors)],
@@ -526,7 +528,7 @@ def plot_curves(arms, out, runs_dir):
             drawn += bool(records)
     if not drawn:
         raise LedgerError(f"no learning curves found under {runs_dir} for {', '.join(arms)}")
-    for r, label in enumerate(("train loss (nats/token)", "curve val_bpb")):
+    for r, (_, _, label) in enumerate(panels):
         for c, x in enumerate(("training seconds", "training tokens")):
             axes[r][c].set(xlabel=x, ylabel=label)
             axes[r][c].grid(alpha=0.3)
@@ -574,6 +576,8 @@ def main(argv=None):
                              "labelled LABEL where written LABEL=ARM); variants: a sweep name")
     plot_parser.add_argument("--out", required=True, help="PNG file to write")
     plot_parser.add_argument("--runs-dir", default="runs", help="where the runs' metrics.jsonl are (run.out_dir)")
+    plot_parser.add_argument("--val-only", action="store_true", help="curves: val_bpb only (a training loss does not "
+                             "compare recipes whose loss counts other targets, multi-token prediction's say)")
     for sub in (show_parser, compare_parser, verdict_parser, plot_parser):
         sub.add_argument("--path", default=LEDGER, help="ledger CSV")
     migrate_parser = commands.add_parser("migrate", help="an older ledger with the current columns, beside it")
@@ -623,7 +627,7 @@ def main(argv=None):
             for name in args.names:
                 label, _, key = name.rpartition("=")
                 arms[label or key] = arm(rows, key)[1]
-            plot_curves(arms, args.out, args.runs_dir)
+            plot_curves(arms, args.out, args.runs_dir, args.val_only)
         else:
             sweep = [r for r in rows if r.get("sweep") == args.names[0] and r["status"] == "ok" and r["val_bpb"]]
             if not sweep:

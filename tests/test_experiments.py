@@ -240,13 +240,15 @@ def test_plot_command_writes_pngs(tmp_path, monkeypatch):
                          tokens_per_s="100", sweep="s", variant=variant, recipe=variant))
     for row in rows:
         ledger.append(tmp_path / "ledger.csv", row)
-    for args in (["curves", "s/a", "s/b"], ["variants", "s"]):
-        out = tmp_path / f"{args[0]}.png"
+    for i, args in enumerate((["curves", "s/a", "s/b"], ["variants", "s"], ["curves", "s/a", "--val-only"])):
+        out = tmp_path / f"plot{i}.png"
         assert ledger.main(["plot", *args, "--out", str(out), "--runs-dir", str(runs),
                             "--path", str(tmp_path / "ledger.csv")]) == 0
         assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+    height = [int.from_bytes((tmp_path / f"plot{i}.png").read_bytes()[20:24], "big") for i in (0, 2)]  # PNG header
+    assert height == [800, 400]  # train loss and val_bpb; val_bpb's row alone
     drawn = {}  # LABEL=ARM: the arm's runs under the label (a config's name in a figure, not a sweep's)
-    monkeypatch.setattr(ledger, "plot_curves", lambda arms, out, runs_dir: drawn.update(arms))
+    monkeypatch.setattr(ledger, "plot_curves", lambda arms, out, runs_dir, val_only: drawn.update(arms))
     assert ledger.main(["plot", "curves", "configs/cpu.yaml=s/a", "s/b", "--out", str(tmp_path / "c.png"),
                         "--path", str(tmp_path / "ledger.csv")]) == 0
     assert {label: [r["run_id"] for r in rows] for label, rows in drawn.items()} == {
