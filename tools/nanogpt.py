@@ -13,11 +13,12 @@ per step kept), so the model can be scored on windows up to N (eval.seq_len; 0 =
 nanoGPT's LR schedule, adapted to a time budget: a linear warm-up over the first 100 steps, then the
 cosine from 6e-4 to 6e-5 by p = training seconds / --seconds, where nanoGPT decays by step count.
 
-From the config only: the data (data.*), model.vocab_size, eval.*, run.out_dir, run.log_every and
-ledger.path (data.seq_len is the block's). Training seconds are wall-clock seconds of the steps alone (batch read, forward,
-backward, clip, update); evaluation is kept out. The run stops at --seconds of them, or after
+From the config only: the data (data.* but data.seq_len: the windows are --block's), model.vocab_size, eval.*,
+run.out_dir, run.log_every and ledger.path. Training seconds are wall-clock seconds of the steps alone (batch
+read, forward, backward, clip, update); evaluation is kept out. The run stops at --seconds of them, or after
 --max-steps steps when > 0. Evaluation is AION's val_bpb: train.Trainer.evaluate's windows (data.val_batches
-of eval.seq_len, else the block; eval.batch_size rows of the block's tokens per forward), nats summed over the target tokens over ln(2) times their bytes (data.ByteTable). Like
+of eval.seq_len, else the block; eval.batch_size rows of the block's tokens per forward), nats summed over the
+target tokens over ln(2) times their bytes (data.ByteTable). Like
 train.py it writes <run.out_dir>/<run id>/metrics.jsonl (train, curve and final records, which
 ledger.read_metrics and ledger.plot_curves read) and one ledger row, recipe nanogpt; SIGINT or SIGTERM
 stops it between steps with an interrupted row and exit code 128 + the signal. Its clock is the wall:
@@ -159,7 +160,8 @@ class Run:
         self.curve_points, self.curve_s = 0, 0.0
 
     def metric(self, kind: str, **values):
-        record = dict(kind=kind, step=self.step, train_s=round(self.train_s, 3), tokens=self.step * STEP_TOKENS, **values)
+        record = dict(kind=kind, step=self.step, train_s=round(self.train_s, 3), tokens=self.step * STEP_TOKENS,
+                      **values)
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
 
