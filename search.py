@@ -178,12 +178,10 @@ def load(path: Path, doc: dict = None) -> dict:
 
 def in_space(d, value) -> bool:
     """Whether the distribution could draw value: a choice, or a number in [low, high] on its step grid (an
-    int distribution's values are whole)."""
+    int distribution always has one, of at least 1 from a whole low: its values are whole)."""
     if isinstance(d, optuna.distributions.CategoricalDistribution):
         return value in d.choices
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not d.low <= value <= d.high:
-        return False
-    if isinstance(d, optuna.distributions.IntDistribution) and not float(value).is_integer():
         return False
     steps = (value - d.low) / d.step if d.step else 0
     return math.isclose(steps, round(steps), abs_tol=1e-9)

@@ -71,7 +71,7 @@ def test_a_longer_block_keeps_the_tokens_per_step_and_scores_windows_of_eval_seq
     (row,) = ledger.read(tmp_path / "ledger.csv")
     assert int(row["tokens"]) == 4096 and int(row["val_tokens"]) == EVAL_TOKENS // 512 * 512
     assert " --block 1024 " in row["overrides"] and "4x1024 random windows" in row["notes"]
-    assert nanogpt.eval_rows(load_config(SMOKE, ["eval.seq_len=512", "eval.batch_size=2"]), 1024) == 4
+    assert nanogpt.eval_windows(load_config(SMOKE, ["eval.seq_len=512", "eval.batch_size=2"]), 1024) == (512, 4)
     x, y = nanogpt.batch(np.arange(5000), np.random.default_rng(0), 1024)
     assert x.shape == y.shape == (4, 1024) and bool((y[:, :-1] == x[:, 1:]).all())
 

@@ -138,9 +138,11 @@ def evaluate(model: NanoGPT, val_files, seq_len: int, rows: int, table: data.Byt
     return None if stop() else (nll / n_tokens, nll / (math.log(2) * n_bytes), n_tokens, n_bytes)
 
 
-def eval_rows(cfg, block: int) -> int:
-    """Evaluation windows per forward: eval.batch_size rows of the block's tokens (at least one window)."""
-    return max(1, cfg.eval.batch_size * block // (cfg.eval.seq_len or block))
+def eval_windows(cfg, block: int) -> tuple:
+    """-> (window length, windows per forward): eval.seq_len, else the block; eval.batch_size rows of the block's
+    tokens per forward (at least one window)."""
+    seq_len = cfg.eval.seq_len or block
+    return seq_len, max(1, cfg.eval.batch_size * block // seq_len)
 
 
 class Run:
@@ -152,7 +154,7 @@ class Run:
         torch.manual_seed(args.seed)
         self.rng = np.random.default_rng(args.seed)
         self.model = NanoGPT(cfg.model.vocab_size, args.block)
-        self.eval_seq = cfg.eval.seq_len or args.block
+        self.eval_seq, self.eval_rows = eval_windows(cfg, args.block)
         self.opt = adamw(self.model)
         self.run_id = f"nanogpt-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
         self.run_dir = Path(cfg.run.out_dir) / self.run_id
@@ -166,8 +168,8 @@ class Run:
         self.metrics_file.flush()
 
     def evaluate(self, max_tokens: int):
-        return evaluate(self.model, self.val_files, self.eval_seq, eval_rows(self.cfg, self.args.block), self.table,
-                        max_tokens, stop=lambda: bool(self.signals))
+        return evaluate(self.model, self.val_files, self.eval_seq, self.eval_rows, self.table, max_tokens,
+                        stop=lambda: bool(self.signals))
 
     def curve_point(self):
         """The same first eval.curve_tokens of the validation split; its time is kept out of training seconds."""
@@ -322,8 +324,8 @@ def main(argv=None) -> int:
         if len(tokens) < args.block + 2:
             raise data.DataError(f"{', '.join(map(str, train_files))}: {len(tokens)} tokens, expected at least "
                                  f"{args.block + 2} (one window of {args.block} + 1)")
-        next(data.val_batches(val_files, cfg.eval.seq_len or args.block, eval_rows(cfg, args.block),
-                              cfg.model.vocab_size, max_tokens=cfg.eval.tokens))
+        next(data.val_batches(val_files, *eval_windows(cfg, args.block), cfg.model.vocab_size,
+                              max_tokens=cfg.eval.tokens))
         train.check_writable(Path(cfg.run.out_dir), "run.out_dir")
         train.check_writable(Path(cfg.ledger.path).absolute().parent, "ledger.path")
         ledger.check_header(cfg.ledger.path)
