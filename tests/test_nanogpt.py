@@ -76,6 +76,15 @@ def test_a_longer_block_keeps_the_tokens_per_step_and_scores_windows_of_eval_seq
     assert x.shape == y.shape == (4, 1024) and bool((y[:, :-1] == x[:, 1:]).all())
 
 
+def test_the_default_block_is_the_configs_eval_seq_len(tmp_path, builtin_1024):
+    """No --block: the block is eval.seq_len (cpu.yaml's 2,048; 1,024 here), recorded in the row as if given."""
+    assert nanogpt.main(["--max-steps", "1", *args(tmp_path, "eval.every_seconds=0", "eval.seq_len=1024",
+                                                   f"eval.tokens={EVAL_TOKENS}")]) == 0
+    (row,) = ledger.read(tmp_path / "ledger.csv")
+    assert " --block 1024 " in row["overrides"] and "4x1024 random windows" in row["notes"]
+    assert int(row["val_tokens"]) == EVAL_TOKENS // 1024 * 1024
+
+
 def test_an_untrained_model_scores_about_ln_vocab(run):
     _, records = run
     assert records[0]["step"] == 0 and abs(records[0]["val_loss"] - math.log(1024)) < 0.1

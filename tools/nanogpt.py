@@ -1,6 +1,6 @@
 """A textbook trainer, nanoGPT's recipe, timed and scored as AION's runs are: its learning curve on AION's time axis.
 
-    python -m tools.nanogpt [--config configs/cpu.yaml] [--seconds 600] [--max-steps 0] [--seed 1337] [--block 256]
+    python -m tools.nanogpt [--config configs/cpu.yaml] [--seconds 600] [--max-steps 0] [--seed 1337] [--block 0]
                             [key.sub=value ...]
 
 The recipe is nanoGPT's, written out here (it is not installed): pre-LayerNorm blocks with biases off,
@@ -9,7 +9,8 @@ projections), AdamW (lr 6e-4, betas 0.9/0.95, weight decay 0.1 on matrices), gra
 eager on the CPU, 16 random windows of 256 tokens per step (offsets into the train shards concatenated,
 numpy's generator seeded by --seed; torch.manual_seed(--seed) for the init). Shape: 4 layers x 256, 4 heads.
 --block N: learned positions and training windows of N tokens, 4,096 / N of them per step (nanoGPT's tokens
-per step kept), so the model can be scored on windows up to N (eval.seq_len; 0 = the block).
+per step kept), so the model can be scored on windows up to N (eval.seq_len; 0 = the block). By default (0) the
+block is the config's eval.seq_len (cpu.yaml's 2,048: scored as AION's headline), else nanoGPT's 256.
 nanoGPT's LR schedule, adapted to a time budget: a linear warm-up over the first 100 steps, then the
 cosine from 6e-4 to 6e-5 by p = training seconds / --seconds, where nanoGPT decays by step count.
 
@@ -298,8 +299,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=600.0, help="training seconds (wall clock, steps only)")
     parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps; 0 = no limit")
     parser.add_argument("--seed", type=int, default=1337, help="torch's init and numpy's window offsets")
-    parser.add_argument("--block", type=int, default=SEQ, help="learned positions and training windows; "
-                        f"{STEP_TOKENS} / block windows per step")
+    parser.add_argument("--block", type=int, default=0, help="learned positions and training windows; "
+                        f"{STEP_TOKENS} / block windows per step; 0 = the config's eval.seq_len, else {SEQ}")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides; later ones win")
     args = parser.parse_intermixed_args(argv)
     try:
@@ -309,9 +310,10 @@ def main(argv=None) -> int:
             raise ConfigError(f"--max-steps: expected >= 0, got {args.max_steps}")
         if not 0 <= args.seed < 2 ** 32:
             raise ConfigError(f"--seed: expected in [0, 2**32) (numpy's seed range), got {args.seed}")
+        cfg = load_config(args.config, args.overrides)
+        args.block = args.block or cfg.eval.seq_len or SEQ
         if args.block < 1 or STEP_TOKENS % args.block:
             raise ConfigError(f"--block: expected a divisor of {STEP_TOKENS} (the tokens per step), got {args.block}")
-        cfg = load_config(args.config, args.overrides)
         if cfg.eval.seq_len > args.block:
             raise ConfigError(f"eval.seq_len: expected at most --block ({args.block}: the learned positions), "
                               f"got {cfg.eval.seq_len}")
