@@ -255,6 +255,27 @@ def test_plot_command_writes_pngs(tmp_path, monkeypatch):
         "configs/cpu.yaml": ["run-0", "run-1"], "s/b": ["run-2", "run-3"]}
 
 
+def test_crossing_finds_where_curves_leave_their_final_order(tmp_path):
+    """sweeps/crossing.py: arms by recipe, their seeds' curves averaged per bin of 60 s (a resumed run's later point
+    kept), pairs out of their final order, the best three a keep-half pruner would cut; an arm without curves named."""
+    curves = {("a", 1): [(0, 3.0), (60, 2.1), (120, 1.5)], ("a", 2): [(0, 3.0), (45, 2.5), (61, 1.9), (120, 1.5)],
+              ("b", 1): [(0, 3.0), (60, 1.9), (120, 1.6)], ("c", 1): [(0, 3.0), (60, 2.5), (120, 1.7)], ("d", 1): None}
+    final = {("a", 1): 0.9, ("a", 2): 1.1, ("b", 1): 1.1, ("c", 1): 1.2, ("d", 1): 1.3}
+    for i, ((variant, seed), points) in enumerate(curves.items()):
+        if points is not None:
+            (tmp_path / "runs" / f"run-{i}").mkdir(parents=True)
+            (tmp_path / "runs" / f"run-{i}" / "metrics.jsonl").write_text("".join(
+                json.dumps(dict(kind="curve", train_s=t, val_bpb=v)) + "\n" for t, v in points))
+        ledger.append(tmp_path / "ledger.csv", dict(run_id=f"run-{i}", status="ok", sweep="s", variant=variant,
+                                                    recipe=variant, seed=str(seed), val_bpb=str(final[variant, seed])))
+    out = subprocess.run([sys.executable, str(ROOT / "sweeps" / "crossing.py"), "s", "--ledger", str(tmp_path / "ledger.csv"),
+                          "--runs", str(tmp_path / "runs")], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[0] == "left out, no curve points under " + str(tmp_path / "runs") + ": d"
+    assert out.splitlines()[1] == "3 arms, final best three: a 1.0000, b 1.1000, c 1.2000"
+    assert out.splitlines()[4:] == ["| 0 | 3 | 0 of 3 |  | none |", "| 60 | 3 | 1 of 3 | a > b | c |",
+                                    "| 120 | 3 | 0 of 3 |  | c |"]
+
+
 def test_a_sweep_resumes_only_from_a_readable_checkpoint_of_the_variants_recipe(tmp_path, builtin_1024):
     spec = dict(name="t", config=str(SMOKE), seeds=[1], overrides=[], baseline="a", variants={"a": []},
                 variant_configs={}, out=tmp_path / "t", ablation=False, clock="wall")
