@@ -7,8 +7,8 @@ mean over its seeds (one run per seed) of the curve points' val_bpb, each point 
 training seconds nearest its time (the sweeps' eval.every_seconds; a resumed run's extra point shares a bin, the
 later kept); a bin counts for an arm where every seed has it. Its final figure is the rows' val_bpb. For each bin,
 the pairs of arms whose order there is not their final order (the one that ends better first), and the arms of the
-final best three that keeping the better half of the arms there (a percentile pruner at 50 %; ties kept) would have stopped.
-Prints one table. The curves are read from runs/ (not in git): run it where the sweeps ran.
+final best three that keeping the better half of the arms there (a percentile pruner at 50 %; ties kept) would
+have stopped. Prints one table. The curves are read from runs/ (not in git): run it where the sweeps ran.
 """
 import argparse
 import itertools
