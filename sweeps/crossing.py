@@ -1,6 +1,6 @@
 """Where the learning curves of some sweeps' arms cross, and what pruning on them would have cut.
 
-    python sweeps/crossing.py SWEEP [SWEEP ...] [--every 60] [--ledger ledger.csv] [--runs runs]
+    python sweeps/crossing.py SWEEP [SWEEP ...] [--seed S] [--every 60] [--ledger ledger.csv] [--runs runs]
 
 An arm is a recipe (a search's trial, a sweep's variant: the same recipe in two sweeps is one arm), its curve the
 mean over its seeds (one run per seed) of the curve points' val_bpb, each point put in the bin of `--every`
@@ -44,11 +44,13 @@ def arms(rows, runs_dir, every):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweeps", nargs="+")
+    parser.add_argument("--seed", default="", help="only this seed's runs (a search's trials run one seed: compare on it)")
     parser.add_argument("--every", type=float, default=60.0, help="the bins' width in training seconds")
     parser.add_argument("--ledger", default="ledger.csv")
     parser.add_argument("--runs", default="runs")
     args = parser.parse_args(argv)
-    rows = [r for r in ledger.read(args.ledger) if r["status"] == "ok" and r["sweep"] in args.sweeps]
+    rows = [r for r in ledger.read(args.ledger) if r["status"] == "ok" and r["sweep"] in args.sweeps
+            and args.seed in ("", r["seed"])]
     if not rows:
         sys.exit(f"error: no ok rows of sweeps {', '.join(args.sweeps)} in {args.ledger}")
     found = arms(rows, Path(args.runs), args.every)

@@ -274,6 +274,10 @@ def test_crossing_finds_where_curves_leave_their_final_order(tmp_path):
     assert out.splitlines()[1] == "3 arms, final best three: a 1.0000, b 1.1000, c 1.2000"
     assert out.splitlines()[4:] == ["| 0 | 3 | 0 of 3 |  | none |", "| 60 | 3 | 1 of 3 | a > b | c |",
                                     "| 120 | 3 | 0 of 3 |  | c |"]
+    out = subprocess.run([sys.executable, str(ROOT / "sweeps" / "crossing.py"), "s", "--seed", "2", "--ledger",
+                          str(tmp_path / "ledger.csv"), "--runs", str(tmp_path / "runs")], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.splitlines()[0] == "1 arms, final best three: a 1.1000"  # seed 2's runs alone
 
 
 def test_a_sweep_resumes_only_from_a_readable_checkpoint_of_the_variants_recipe(tmp_path, builtin_1024):
