@@ -52,7 +52,8 @@ def main(argv=None):
     rows = [r for r in ledger.read(args.ledger) if r["status"] == "ok" and r["sweep"] in args.sweeps
             and args.seed in ("", r["seed"])]
     if not rows:
-        sys.exit(f"error: no ok rows of sweeps {', '.join(args.sweeps)} in {args.ledger}")
+        sys.exit(f"error: no ok rows of sweeps {', '.join(args.sweeps)}{' and seed ' + args.seed if args.seed else ''} "
+                 f"in {args.ledger}")
     found = arms(rows, Path(args.runs), args.every)
     bare = sorted(arm[0] for arm in found.values() if not arm[2])
     if bare:
