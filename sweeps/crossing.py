@@ -11,6 +11,7 @@ final best three that keeping the better half of the arms there (a percentile pr
 have stopped. Prints one table. The curves are read from runs/ (not in git): run it where the sweeps ran.
 """
 import argparse
+import collections
 import itertools
 import statistics
 import sys
@@ -36,7 +37,7 @@ def arms(rows, runs_dir, every):
             curves.append(points)
         bins = set.intersection(*(set(c) for c in curves))
         first = next(iter(by_seed.values()))
-        out[recipe] = (first["variant"], statistics.mean(float(r["val_bpb"]) for r in by_seed.values()),
+        out[recipe] = (f"{first['sweep']}/{first['variant']}", statistics.mean(float(r["val_bpb"]) for r in by_seed.values()),
                        {b: statistics.mean(c[b] for c in curves) for b in sorted(bins)})
     return out
 
@@ -51,10 +52,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     rows = [r for r in ledger.read(args.ledger) if r["status"] == "ok" and r["sweep"] in args.sweeps
             and args.seed in ("", r["seed"])]
-    if not rows:
-        sys.exit(f"error: no ok rows of sweeps {', '.join(args.sweeps)}{' and seed ' + args.seed if args.seed else ''} "
+    missing = [name for name in args.sweeps if not any(r["sweep"] == name for r in rows)]
+    if missing:
+        sys.exit(f"error: no ok rows of sweep {', '.join(missing)}{' and seed ' + args.seed if args.seed else ''} "
                  f"in {args.ledger}")
     found = arms(rows, Path(args.runs), args.every)
+    variants = collections.Counter(label.split("/")[1] for label, _, _ in found.values())
+    found = {recipe: (label.split("/")[1] if variants[label.split("/")[1]] == 1 else label, final, curve)
+             for recipe, (label, final, curve) in found.items()}  # sweep/variant only where a variant's name repeats
     bare = sorted(arm[0] for arm in found.values() if not arm[2])
     if bare:
         print(f"left out, no curve points under {args.runs}: {', '.join(bare)}")

@@ -278,6 +278,17 @@ def test_crossing_finds_where_curves_leave_their_final_order(tmp_path):
                           str(tmp_path / "ledger.csv"), "--runs", str(tmp_path / "runs")], capture_output=True, text=True,
                          check=True).stdout
     assert out.splitlines()[0] == "1 arms, final best three: a 1.1000"  # seed 2's runs alone
+    ledger.append(tmp_path / "ledger.csv", dict(run_id="run-5", status="ok", sweep="s2", variant="a", recipe="a2",
+                                                seed="1", val_bpb="1.05"))  # another sweep's `a`: named by its sweep
+    (tmp_path / "runs" / "run-5").mkdir()
+    (tmp_path / "runs" / "run-5" / "metrics.jsonl").write_text(json.dumps(dict(kind="curve", train_s=60, val_bpb=2.0)))
+    cmd = [sys.executable, str(ROOT / "sweeps" / "crossing.py"), "--ledger", str(tmp_path / "ledger.csv"),
+           "--runs", str(tmp_path / "runs")]
+    out = subprocess.run([*cmd, "s", "s2"], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[1] == "4 arms, final best three: s/a 1.0000, s2/a 1.0500, b 1.1000"
+    assert out.splitlines()[5] == "| 60 | 4 | 2 of 6 | s/a > b; s2/a > b | none |"
+    failed = subprocess.run([*cmd, "s", "nosuch"], capture_output=True, text=True)
+    assert failed.returncode == 1 and "error: no ok rows of sweep nosuch in" in failed.stderr
 
 
 def test_a_sweep_resumes_only_from_a_readable_checkpoint_of_the_variants_recipe(tmp_path, builtin_1024):
