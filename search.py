@@ -54,8 +54,8 @@ Workers on several machines of a kind share its study. kill -9 of a worker: its 
 SIGTERM (checkpoint, interrupted row) and stay RUNNING in the study; the same command on the same
 host takes each over (its lock, locks.py, tells whether its run still goes) and resumes it from its
 checkpoint; one that had finished is told from its row. A host is $AION_HOST, else its name (locks.host).
-Output, in sweeps/<name>/: trials-<machine>.md (best first), history, importance and slice plots,
-and confirm/verdict.md (sweep.py's table).
+Output, in sweeps/<name>/: trials-<machine>.md (best first), history, importance and slice plots
+(both rewritten as each trial ends), and confirm/verdict.md (sweep.py's table).
 """
 import dataclasses
 import difflib
@@ -659,6 +659,7 @@ class Worker:
                         if ended:
                             self.progress(number, record["trial"].params, *ended, record.get("pruning"))
                             self.write_table()
+                            self.write_plots()  # a long search shows where it stands as it goes
                 time.sleep(0.2)
             while self.running:  # after a signal: each child saves and writes its interrupted row
                 for number, record in list(self.running.items()):

@@ -198,6 +198,19 @@ def test_pruning_stops_a_trial_worse_than_those_before_at_the_same_point(tmp_pat
     assert good["trial"].study.trials[2].intermediate_values == {250: 0.9}
 
 
+def test_the_table_and_plots_are_rewritten_as_each_trial_ends(tmp_path, builtin_1024, monkeypatch):
+    """A long search shows where it stands: the plots are drawn after each trial that ends, not only at
+    the search's end (3 trials: after the first, second and third, then once more at the end)."""
+    spec = search.load(write_search(tmp_path))
+    worker = search.Worker(spec, extra(tmp_path))
+    drawn, draw = [], worker.write_plots
+    monkeypatch.setattr(worker, "write_plots", lambda: (drawn.append(len(
+        worker.study.get_trials(states=(optuna.trial.TrialState.COMPLETE,)))), draw()))
+    assert worker.run(confirm=False) == 0
+    assert drawn == [1, 2, 3, 3]
+    assert (tmp_path / "tiny" / f"importance-{worker.mhash}.png").stat().st_size > 0
+
+
 def test_kill_9_then_the_same_command_loses_repeats_and_double_counts_no_trial(tmp_path, builtin_1024):
     """kill -9 of the search while its second trial trains: the trial's run checkpoints and writes an
     interrupted row (its parent's death sends SIGTERM), and stays RUNNING in the study. The same
