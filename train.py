@@ -375,6 +375,13 @@ def check_writable(directory: Path, key: str):
         raise ConfigError(f"{key}: {existing} is not writable (to hold {directory})")
 
 
+def check_outputs(cfg: Config):
+    """Stop before an outside trainer (tools/) runs if its run folder or ledger row could not be written."""
+    check_writable(Path(cfg.run.out_dir), "run.out_dir")
+    check_writable(Path(cfg.ledger.path).absolute().parent, "ledger.path")
+    ledger.check_header(cfg.ledger.path)
+
+
 def memory_estimate(cfg: Config, bf16_weights: bool) -> tuple:
     """-> (bytes, parameters, activation bytes) a rank needs, roughly (model.training_values): each parameter 16
     bytes (fp32 weight, gradient, two optimizer moments; 20 with bf16 weights and fp32 masters; 4 more with

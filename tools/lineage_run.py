@@ -233,9 +233,7 @@ def main(argv=None) -> int:
         if not (folder / "tokenizer.pkl").is_file():
             raise data.DataError(f"{folder}: its shards have no tokenizer.pkl beside them; the kit's prepare.py "
                                  f"(tools/kit_prepare) reads shards and tokenizer from one folder")
-        train.check_writable(Path(cfg.run.out_dir), "run.out_dir")
-        train.check_writable(Path(cfg.ledger.path).absolute().parent, "ledger.path")
-        ledger.check_header(cfg.ledger.path)
+        train.check_outputs(cfg)
     except (ConfigError, data.DataError, ledger.LedgerError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -328,9 +328,7 @@ def main(argv=None) -> int:
                                  f"{args.block + 2} (one window of {args.block} + 1)")
         next(data.val_batches(val_files, *eval_windows(cfg, args.block), cfg.model.vocab_size,
                               max_tokens=cfg.eval.tokens))
-        train.check_writable(Path(cfg.run.out_dir), "run.out_dir")
-        train.check_writable(Path(cfg.ledger.path).absolute().parent, "ledger.path")
-        ledger.check_header(cfg.ledger.path)
+        train.check_outputs(cfg)
     except (ConfigError, data.DataError, ledger.LedgerError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
