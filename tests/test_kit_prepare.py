@@ -231,7 +231,9 @@ def test_a_failed_run_is_named_and_recorded(tmp_path, monkeypatch, capsys):
     args = ["--script", str(script), "--seconds", "20", f"data.path={ROOT / 'data' / 'builtin'}",
             f"ledger.path={tmp_path / 'ledger.csv'}", f"run.out_dir={tmp_path / 'runs'}"]
     monkeypatch.setenv("EXIT", "3")
+    threads = torch.get_num_threads()
     assert lineage_run.main(args) == 1
+    assert torch.get_num_threads() == threads  # --threads is the script's: this process (pytest's) keeps its own
     out, err = capsys.readouterr()
     assert "saw 4 1 20.0 8192" in out and "error: the script exited with code 3; its last lines:\nsaw 4 1" in err
     monkeypatch.setenv("EXIT", "0")

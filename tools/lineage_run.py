@@ -7,8 +7,9 @@ part of this repository.
                                 [--config configs/cpu.yaml] [--name K82s4] [key.sub=value ...]
 
 The script runs as one process (a world of 1) on --threads threads (OMP_NUM_THREADS: AION's measured runs have one
-each), with tools/kit_prepare on PYTHONPATH as the kit's prepare.py over the config's data (AION_KIT_DATA; the
-built-in corpus is prepared on first use, as train.py does) and these of its FF_* settings from the config:
+each; the scoring after it, untimed, keeps this process's threads), with tools/kit_prepare on PYTHONPATH as the
+kit's prepare.py over the config's data (AION_KIT_DATA; the built-in corpus is prepared on first use, as train.py
+does) and these of its FF_* settings from the config:
 - the shape: model.n_layer (FF_DEPTH), model.n_embd / model.n_head (FF_HEAD_DIM), n_embd / n_layer (FF_ASPECT_RATIO:
   its width is depth x aspect rounded up to whole heads), model.n_kv_head (FF_KV_HEADS), optim.batch_tokens
   (FF_TOTAL_BATCH) in micro-batches of optim.micro_batch rows (FF_MB) of data.seq_len, which must be its SEQ_LEN of
@@ -238,7 +239,6 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    torch.set_num_threads(args.threads)
     name = args.name or script.parent.name
     run_id = f"lineage-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
     run_dir = (Path(cfg.run.out_dir) / run_id).resolve()
