@@ -1000,9 +1000,10 @@ class Trainer:
                     self.save()
                     last_checkpoint = self.train_s
             if not self.precompile and not self.diverged:
+                ended = status == "ok"  # a stopped run (interrupted, pruned) has not ended: the stuck rule waits
                 if self.step_count > self.logged[1]:
-                    self.report(loss_total, final=True)
-                elif self.step_count > start_step:
+                    self.report(loss_total, final=ended)
+                elif self.step_count > start_step and ended:
                     self.judge(self.last_loss, final=True)  # at the progress reached since that log line
             if self.diverged:
                 status, error = "diverged", self.diverged

@@ -349,6 +349,25 @@ def test_the_loss_is_judged_at_the_end_of_every_run(tmp_path, builtin_1024):
     assert trainer.diverged.startswith("training loss 7.0000 >= ln(model.vocab_size)")
 
 
+def test_a_run_stopped_early_with_its_loss_above_uniform_is_interrupted_not_diverged(tmp_path, builtin_1024,
+                                                                                      monkeypatch):
+    """SIGTERM at step 12 of 600 s with every logged loss above ln(1024): the run has not ended (it will
+    resume), so the stuck rule, which waits for STUCK_AFTER of the budget, does not call it diverged."""
+    loss, step = train.GPT.loss, train.Trainer.step
+
+    def stepped(self, progress):
+        out = step(self, progress)
+        if self.step_count == 12:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(train.GPT, "loss", lambda self, *a, **kw: loss(self, *a, **kw) + 10.0)
+    monkeypatch.setattr(train.Trainer, "step", stepped)
+    assert train.main(args(tmp_path, "budget.seconds=600", "budget.max_steps=0", "run.log_every=5")) == 128 + signal.SIGTERM
+    (row,) = ledger.read(tmp_path / "ledger.csv")
+    assert row["status"] == "interrupted" and row["steps"] == "12", row["notes"]
+
+
 def test_a_diverged_run_never_overwrites_a_good_checkpoint(tmp_path, good_checkpoint, monkeypatch):
     shared = tmp_path / "shared.pt"
     shared.write_bytes(good_checkpoint.read_bytes())
