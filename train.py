@@ -366,6 +366,15 @@ def kit_scored(cfg: Config) -> bool:
     return cfg.data.tokenizer_kind == "tiktoken" and cfg.eval.kit_tokens > 0
 
 
+def kit_val_bpb(cfg: Config, model, val_files, bos_id: int, token_bytes: torch.Tensor, backend, max_batches=0) -> tuple:
+    """The kit's protocol as its scorer runs it: kit.evaluate_bpb over packed validation rows of eval.kit_seq_len,
+    eval.kit_tokens of them (the first max_batches batches if > 0). -> (val_bpb, nats, bytes, tokens)."""
+    e = cfg.eval
+    batches = data.packed_val_batches(val_files, e.kit_seq_len, eval_rows(cfg, e.kit_seq_len), cfg.model.vocab_size,
+                                      bos_id, e.kit_tokens)
+    return kit.evaluate_bpb(model, itertools.islice(batches, max_batches or None), token_bytes, backend)
+
+
 def check_writable(directory: Path, key: str):
     """Stop before training if `directory` (made when training starts) could not be made or written."""
     existing = next(path for path in (directory, *directory.parents) if path.exists())
@@ -805,14 +814,11 @@ class Trainer:
         """The kit's protocol (kit.evaluate_bpb) on the checkpoint just written, as its scorer runs it: the model
         load_for_eval returns, packed validation rows of eval.kit_seq_len, eval.kit_tokens of them, the kit's
         token_bytes; on this rank alone (the kit scores on one device). -> val_bpb."""
-        e, start = self.cfg.eval, time.perf_counter()
+        start = time.perf_counter()
         model = load_for_eval(self.checkpoint_path, self.device)
-        batches = data.packed_val_batches(self.val_files, e.kit_seq_len, eval_rows(self.cfg, e.kit_seq_len),
-                                          self.cfg.model.vocab_size,
-                                          self.bytes.bos_id, e.kit_tokens)
-        bpb, _, n_bytes, tokens = kit.evaluate_bpb(model, itertools.islice(batches, max_batches or None), self.kit_bytes,
-                                                   self.backend)
-        self.log(f"kit val_bpb:{bpb:.6f} seq_len:{e.kit_seq_len} tokens:{tokens} bytes:{n_bytes} "
+        bpb, _, n_bytes, tokens = kit_val_bpb(self.cfg, model, self.val_files, self.bytes.bos_id, self.kit_bytes,
+                                              self.backend, max_batches)
+        self.log(f"kit val_bpb:{bpb:.6f} seq_len:{self.cfg.eval.kit_seq_len} tokens:{tokens} bytes:{n_bytes} "
                  f"eval_s:{time.perf_counter() - start:.2f}")
         return bpb
 

@@ -60,7 +60,6 @@ import torch.nn.functional as F
 import clock
 import config
 import data
-import kit
 import ledger
 import train
 from config import ROOT, ConfigError, load_config
@@ -191,17 +190,15 @@ def load_model(script: Path, env: dict, checkpoint: Path, length: int) -> nn.Mod
 def score(cfg, model: nn.Module, val_files, tokenizer) -> dict:
     """AION's exact val_bpb (tools/nanogpt.evaluate: train.py's windows) and, where the config scores it, the kit's
     protocol as train.py's evaluate_kit runs it."""
-    e, table, start = cfg.eval, data.ByteTable(tokenizer), time.perf_counter()
+    table, start = data.ByteTable(tokenizer), time.perf_counter()
     seq_len = config.eval_seq_len(cfg)
     val_loss, val_bpb, val_tokens, val_bytes = nanogpt.evaluate(
-        NextTokenNLL(model, cfg.model.vocab_size), val_files, seq_len, config.eval_rows(cfg, seq_len), table, e.tokens)
+        NextTokenNLL(model, cfg.model.vocab_size), val_files, seq_len, config.eval_rows(cfg, seq_len), table, cfg.eval.tokens)
     kit_val_bpb = None
     if train.kit_scored(cfg):
         model.eval()
-        batches = data.packed_val_batches(val_files, e.kit_seq_len, config.eval_rows(cfg, e.kit_seq_len),
-                                          cfg.model.vocab_size, table.bos_id, e.kit_tokens)
         backend = train.Backend(dataclasses.replace(cfg.device, type="cpu"))
-        kit_val_bpb = kit.evaluate_bpb(model, batches, data.kit_token_bytes(tokenizer), backend)[0]
+        kit_val_bpb = train.kit_val_bpb(cfg, model, val_files, table.bos_id, data.kit_token_bytes(tokenizer), backend)[0]
     return dict(val_loss=val_loss, val_bpb=val_bpb, val_tokens=val_tokens, val_bytes=val_bytes, kit_val_bpb=kit_val_bpb,
                 eval_s=time.perf_counter() - start)
 
