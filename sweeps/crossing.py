@@ -22,7 +22,7 @@ import ledger  # noqa: E402
 
 
 def arms(rows, runs_dir, every):
-    """-> {recipe: (label, final val_bpb, {bin: mean curve val_bpb})} over the ok rows, one per recipe and seed."""
+    """-> {recipe: (sweep, variant, final val_bpb, {bin: mean curve val_bpb})} over the ok rows, one per recipe and seed."""
     runs = {}
     for row in rows:
         runs.setdefault(row["recipe"], {}).setdefault(row["seed"], row)
@@ -37,7 +37,7 @@ def arms(rows, runs_dir, every):
             curves.append(points)
         bins = set.intersection(*(set(c) for c in curves))
         first = next(iter(by_seed.values()))
-        out[recipe] = (f"{first['sweep']}/{first['variant']}", statistics.mean(float(r["val_bpb"]) for r in by_seed.values()),
+        out[recipe] = (first["sweep"], first["variant"], statistics.mean(float(r["val_bpb"]) for r in by_seed.values()),
                        {b: statistics.mean(c[b] for c in curves) for b in sorted(bins)})
     return out
 
@@ -57,9 +57,9 @@ def main(argv=None):
         sys.exit(f"error: no ok rows of sweep {', '.join(missing)}{' and seed ' + args.seed if args.seed else ''} "
                  f"in {args.ledger}")
     found = arms(rows, Path(args.runs), args.every)
-    variants = collections.Counter(label.split("/")[1] for label, _, _ in found.values())
-    found = {recipe: (label.split("/")[1] if variants[label.split("/")[1]] == 1 else label, final, curve)
-             for recipe, (label, final, curve) in found.items()}  # sweep/variant only where a variant's name repeats
+    variants = collections.Counter(variant for _, variant, _, _ in found.values())
+    found = {recipe: (variant if variants[variant] == 1 else f"{sweep}/{variant}", final, curve)
+             for recipe, (sweep, variant, final, curve) in found.items()}  # sweep/variant only where a variant repeats
     bare = sorted(arm[0] for arm in found.values() if not arm[2])
     if bare:
         print(f"left out, no curve points under {args.runs}: {', '.join(bare)}")
