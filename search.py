@@ -634,8 +634,10 @@ class Worker:
                 record["child"].send_signal(signum)
 
     def run(self, confirm=True) -> int:
-        print(f"search:{self.name} study {self.study_name} ({len(self.counted())}/{self.s['trials']} trials counted so "
-              f"far) machine: {self.base.here}; jobs: {self.jobs}", flush=True)
+        counted = self.counted()
+        running = sum(self.outcome(t) == "running" for t in counted)
+        print(f"search:{self.name} study {self.study_name} ({len(counted)}/{self.s['trials']} trials counted so far, "
+              f"{running} of them left running) machine: {self.base.here}; jobs: {self.jobs}", flush=True)
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         ran = 0
         try:

@@ -231,6 +231,7 @@ def test_kill_9_then_the_same_command_loses_repeats_and_double_counts_no_trial(t
     rerun = subprocess.run(command(tmp_path, path), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "trial 1 was left running by pid" in rerun.stdout and "taken over" in rerun.stdout
+    assert "(2/3 trials counted so far, 1 of them left running)" in rerun.stdout
     done = trials(tmp_path)
     assert [(t.number, t.user_attrs["outcome"]) for t in done] == [(0, "ok"), (1, "ok"), (2, "ok")], rerun.stdout
     rows = ledger.read(tmp_path / "ledger.csv")
