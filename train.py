@@ -855,7 +855,7 @@ class Trainer:
     def judge(self, loss: float, final=False):
         """diverged (the reason) for a non-finite logged loss, or one still at or above a uniform
         guess past warmup and STUCK_MIN_STEPS steps, and past STUCK_AFTER of the budget unless the
-        run has ended (final: whatever ended it, budget.max_steps included)."""
+        run has ended (final: its budget or budget.max_steps ended it; a signal's stop is not an end)."""
         uniform, progress = math.log(self.cfg.model.vocab_size), self.train_s / self.cfg.budget.seconds
         if not math.isfinite(loss):
             self.diverged = f"non-finite training loss by step {self.step_count}"
