@@ -164,21 +164,22 @@ def test_step_boundaries_and_the_kits_clock(tmp_path, monkeypatch):
     assert lineage_run.step_clock(tmp_path / "none.log") == {}
 
 
+LINEAGE = ROOT / "configs" / "cpu_lineage.yaml"  # the lineage's recipe: the script's width (96) and rows (1,024)
 ONE_STAGE = "schedule.stages=[{at: 0}]"  # cpu.yaml's batch ramp, in AION's keys, needs micro-batches of 8 rows
 
 
-def test_the_scripts_settings_for_cpu_yaml(tmp_path, capsys):
-    cfg = load_config(ROOT / "configs" / "cpu.yaml")
+def test_the_scripts_settings_for_cpu_lineage_yaml(tmp_path, capsys):
+    cfg = load_config(LINEAGE)
     assert lineage_run.script_settings(cfg, 600, 73) == dict(
         FF_DEPTH="4", FF_ASPECT_RATIO="24", FF_HEAD_DIM="48", FF_KV_HEADS="1", FF_MB="8", FF_TOTAL_BATCH="8192",
         FF_SEED="73", FF_TIME_TARGET="595", FF_ATTN_SRC="2:3", FF_MUON_ZERO="0", FF_MUON_ZERO2="0", FF_ADAMW_ZERO="0",
         FF_ACCUM_SCHED="1", FF_ACCUM_LR="1")  # one micro-batch a step: no batch ramp
-    ramp = lineage_run.script_settings(load_config(ROOT / "configs" / "cpu.yaml", ["optim.micro_batch=2", ONE_STAGE]), 20, 1)
+    ramp = lineage_run.script_settings(load_config(LINEAGE, ["optim.micro_batch=2", ONE_STAGE]), 20, 1)
     assert "FF_ACCUM_SCHED" not in ramp and ramp["FF_STREAM_MIX"] == "2" and ramp["FF_TIME_TARGET"] == "15"
     for overrides, message in ((["data.seq_len=512"], "rows of 1024"), (["model.n_layer=5", "model.n_head=4"],
                                                                        "model.n_embd=96: the script's width")):
         with pytest.raises(ConfigError, match=message):
-            lineage_run.script_settings(load_config(ROOT / "configs" / "cpu.yaml", overrides), 600, 73)
+            lineage_run.script_settings(load_config(LINEAGE, overrides), 600, 73)
     assert lineage_run.main(["--script", str(tmp_path / "train.py")]) == 2
     assert f"--script {tmp_path / 'train.py'}: no such file" in capsys.readouterr().err
 
@@ -191,7 +192,7 @@ SCRIPT = os.environ.get("AION_LINEAGE_SCRIPT", "")
 def test_the_scripts_checkpoint_scores_on_longer_windows(kit_data, tmp_path, monkeypatch):
     """Its model built and saved by its own code (no training), loaded by lineage_run through its load_for_eval: the
     kit's contract holds, and windows longer than its rows score their first positions as it would."""
-    cfg = load_config(ROOT / "configs" / "cpu.yaml", ["model.n_layer=2", "model.n_embd=64", "optim.micro_batch=2",
+    cfg = load_config(LINEAGE, ["model.n_layer=2", "model.n_embd=64", "optim.micro_batch=2",
                                                       ONE_STAGE, "model.attn_source_after=-1",
                                                       "model.attn_source_layers=[]"])
     env = lineage_run.script_settings(cfg, 20, 73)

@@ -4,7 +4,7 @@ recipes/K82s4/train.py (github marker2601/trainium-simulator), the lineage's bes
 part of this repository.
 
     python -m tools.lineage_run --script PATH/TO/K82s4/train.py [--seconds 600] [--seed 73] [--threads 1]
-                                [--config configs/cpu.yaml] [--name K82s4] [key.sub=value ...]
+                                [--config configs/cpu_lineage.yaml] [--name K82s4] [key.sub=value ...]
 
 The script runs as one process (a world of 1) on --threads threads (OMP_NUM_THREADS: AION's measured runs have one
 each; the scoring after it, untimed, keeps this process's threads), with tools/kit_prepare on PYTHONPATH as the
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=600.0, help="the kit's training budget (its charged clock)")
     parser.add_argument("--seed", type=int, default=73, help="FF_SEED (the script's own default: 73)")
     parser.add_argument("--threads", type=int, default=1, help="the script's torch threads (OMP_NUM_THREADS)")
-    parser.add_argument("--config", default=str(ROOT / "configs" / "cpu.yaml"), help="shape, data, eval, run, ledger")
+    parser.add_argument("--config", default=str(ROOT / "configs" / "cpu_lineage.yaml"), help="shape, data, eval, run, ledger")
     parser.add_argument("--name", default="", help="the row's config is lineage:NAME; default the script's folder name")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides; later ones win")
     args = parser.parse_intermixed_args(argv)
