@@ -22,6 +22,15 @@ A calibration file (JSON, written by `python sweep.py SWEEP --calibrate-only` or
 where name is variant/stage index, step_ms the cost, ratio that over the baseline's, se the relative
 standard error of the ratio over the rounds (for the baseline, of its level: the machine's drift),
 and round_ms the median step of each round.
+
+A calibration made elsewhere (a chip's published step times, or equal steps: `made_elsewhere`) has no stages:
+    id, version  as above
+    source       where its costs come from (a run log, a paper, "equal steps"): named in every row that uses it
+    machine      where they were measured ("trn2", or "any" for costs that were set, not measured)
+    step_ms      {tokens per optimizer step: ms}, or {"*": ms} for every step alike
+A run under it on any machine takes the steps that machine's costs give: each stage costs the entry of its
+tokens per step (the batch ramp's phases), whatever its model, so what it assumes (this run's step costs there
+what the measured program's did, its stages map to that program's batch phases) goes with it into the row.
 """
 import dataclasses
 import json
@@ -85,6 +94,9 @@ def read(path) -> dict:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"budget.calibration={path}: cannot read a calibration from it ({e})") from None
+    if isinstance(doc, dict) and "step_ms" in doc:
+        check_elsewhere(path, doc)
+        return doc
     if (not isinstance(doc, dict) or doc.get("version") != VERSION or not {"id", "machine", "stages", "baseline"} <= set(doc)
             or not isinstance(doc["stages"], dict) or not all(isinstance(s, dict) for s in doc["stages"].values())
             or not isinstance(doc.get("method", {}), dict)):
@@ -125,6 +137,31 @@ def check_numbers(path, doc: dict):
         raise ConfigError(f"budget.calibration={path}: baseline {doc['baseline']} is not one of its stages")
 
 
+def made_elsewhere(doc: dict) -> bool:
+    return "step_ms" in doc
+
+
+def check_elsewhere(path, doc: dict):
+    """A calibration made elsewhere: its id, source and machine named, every cost a finite number > 0 keyed by tokens
+    per step (a whole number > 0) or "*"."""
+    def fail(what):
+        raise ConfigError(f"budget.calibration={path}: {what} (a calibration made elsewhere, see clock.py)")
+
+    if doc.get("version") != VERSION:
+        fail(f"version: expected {VERSION}, got {doc.get('version')!r}")
+    for field in ("id", "source", "machine"):
+        if not isinstance(doc.get(field), str) or not doc[field].strip():
+            fail(f"{field}: expected a non-empty string, " + (f"got {doc[field]!r}" if field in doc else "it is missing"))
+    costs = doc["step_ms"]
+    if not isinstance(costs, dict) or not costs:
+        fail(f"step_ms: expected {{tokens per step: ms}} with at least one entry, got {costs!r}")
+    for key, value in costs.items():
+        if key != "*" and not (key.isdigit() and int(key) > 0):
+            fail(f"step_ms: key {key!r}: expected tokens per optimizer step (a whole number > 0) or \"*\"")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            fail(f"step_ms[{key}]: expected a finite number > 0, got {value!r}")
+
+
 def write(path, doc: dict):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,14 +170,24 @@ def write(path, doc: dict):
     os.replace(tmp, path)
 
 
-def costs(budget, keys: list, here: str):
+def costs(budget, keys: list, here: str, batch_tokens: list):
     """-> (calibration id, seconds per step of each stage) for a run under budget.clock=calibrated
-    whose stages have cost `keys`, from the file budget.calibration, which must have been measured
-    on this machine (`here`, which also decides what device.dtype=auto computes in) and hold every
-    stage. With budget.reference_step_ms every cost is scaled so that the calibration's baseline
-    costs that: a budget of the baseline's steps on a reference machine, each other stage getting
-    its steps by its cost ratio measured here."""
+    whose stages have cost `keys` and `batch_tokens` tokens per step, from the file budget.calibration: one
+    measured on this machine (`here`, which also decides what device.dtype=auto computes in) holding every
+    stage, or one made elsewhere holding every stage's tokens per step (or "*"). With
+    budget.reference_step_ms every cost is scaled so that the calibration's baseline costs that: a budget
+    of the baseline's steps on a reference machine, each other stage getting its steps by its cost ratio
+    measured here."""
     path, doc = budget.calibration, read(budget.calibration)
+    if made_elsewhere(doc):
+        if budget.reference_step_ms:
+            raise ConfigError(f"budget.reference_step_ms: scales a calibration measured here; {path} was made elsewhere "
+                              f"({doc['source']}): its costs are used as they are")
+        missing = sorted({t for t in batch_tokens if str(t) not in doc["step_ms"]}) if "*" not in doc["step_ms"] else []
+        if missing:
+            raise ConfigError(f"budget.calibration={path} has no step_ms for {', '.join(map(str, missing))} tokens per "
+                              f"step (this run's stages); it has {', '.join(doc['step_ms'])}")
+        return doc["id"], [doc["step_ms"].get(str(t), doc["step_ms"].get("*")) / 1000 for t in batch_tokens]
     if doc["machine"] != here:
         raise ConfigError(f"budget.calibration={path} was measured on {doc['machine']}; this is {here}: calibrate "
                           f"again here (python sweep.py SWEEP --calibrate-only)")

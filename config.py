@@ -53,6 +53,7 @@ class DataConfig:
     order: str
     row_pool: int
     row_pool_from: int
+    replay: str
 
 
 @dataclass(frozen=True)
@@ -507,6 +508,12 @@ def validate(cfg: Config):
     if d.row_pool and d.order == "shuffle":
         raise ConfigError(f"data.row_pool={d.row_pool}: pools the rows of an ordered stream, and data.order=shuffle "
                           f"already draws its rows at random; expected data.order contiguous or packed, or data.row_pool=0")
+    if (d.order == "replay") != bool(d.replay):
+        raise ConfigError(f"data.order={d.order}, data.replay={d.replay!r}: a replay trains on the rows of the file "
+                          f"data.replay names; expected both (data.order=replay and a file) or neither")
+    if d.replay and d.row_pool:
+        raise ConfigError(f"data.row_pool={d.row_pool}: data.replay's rows are replayed in the order they were trained on; "
+                          f"expected data.row_pool=0")
     if d.row_pool_from and not d.row_pool:
         raise ConfigError(f"data.row_pool_from={d.row_pool_from}: the micro-batches before the row pool starts, but "
                           f"data.row_pool=0 (no pool); expected data.row_pool > 0 or data.row_pool_from=0")
@@ -514,9 +521,10 @@ def validate(cfg: Config):
         raise ConfigError("budget.count_compile: with budget.charge=kit every step after budget.startup_steps counts, "
                           "compile included, and the startup before is free up to budget.startup_cap_s; expected false")
     stages = resolve_stages(cfg)
-    if d.row_pool and (lengths := [s.seq_len for s in stages if s.seq_len != d.seq_len]):
-        raise ConfigError(f"data.row_pool={d.row_pool}: the pool holds rows of data.seq_len ({d.seq_len}) tokens, but a "
-                          f"schedule stage sets seq_len {lengths[0]}; expected data.row_pool=0 with such stages")
+    if (d.row_pool or d.replay) and (lengths := [s.seq_len for s in stages if s.seq_len != d.seq_len]):
+        raise ConfigError(f"data.row_pool={d.row_pool}, data.replay={d.replay!r}: a pool or a replay holds rows of "
+                          f"data.seq_len ({d.seq_len}) tokens, but a schedule stage sets seq_len {lengths[0]}; expected "
+                          f"neither with such stages")
     if readers and any(stage.recur > 1 for stage in stages):
         raise ConfigError("model.attn_source_layers: a loop (a schedule stage with recur > 1) is not defined with "
                           "attention-source reuse")
@@ -688,7 +696,7 @@ def flatten(tree: dict, prefix="") -> dict:
 # are repeats of one recipe: an arm of an experiment.
 RECIPE_IGNORED = frozenset([
     "run.name", "run.seed", "run.out_dir", "run.log_every", "run.precompile", "run.profile_steps",
-    "data.path", "data.tokenizer", "data.prefetch", "eval.batch_size", "eval.every_seconds", "eval.curve_tokens",
+    "data.path", "data.tokenizer", "data.prefetch", "data.replay", "eval.batch_size", "eval.every_seconds", "eval.curve_tokens",
     "device.compile_cache", "ledger.path", "ledger.notes", "ledger.sweep", "ledger.variant", "checkpoint.path",
     "checkpoint.every_seconds", "checkpoint.resume", "budget.clock", "budget.calibration", "data.val_shard",
     "eval.kit_seq_len", "eval.kit_tokens",

@@ -1002,7 +1002,7 @@ class _RowPool:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), self.state()
 
 
-ORDERS = ("contiguous", "shuffle", "packed")
+ORDERS = ("contiguous", "shuffle", "packed", "replay")
 
 
 class TrainLoader:
@@ -1029,6 +1029,9 @@ class TrainLoader:
       kit's order: the shards' order is the corpus's own). The position (`state_dict`) is the
       packer's: the stream position, its epoch and the buffer's documents as plain ints, so a
       loader resumes exactly, and one of another batch shape carries on with the same buffer.
+    - replay: the one file's rows of seq_len + 1 tokens, back to back, in order (rows another program
+      trained on, recorded): each step the world takes the next world_size * batch_size of them and rank
+      r the r-th batch_size; past the last row, DataError (a replay is exact or it is not one).
 
     Either way ranks are disjoint; for contiguous and shuffle the position (`state_dict`) counts
     tokens, so a loader with another batch shape (an annealing stage) carries on from the same
@@ -1058,6 +1061,10 @@ class TrainLoader:
             if bos_id >= vocab_size:
                 raise DataError(f"TrainLoader: bos_id {bos_id}, expected < vocab_size {vocab_size}")
             self._docs = _documents(self.files, self.shards, bos_id)
+        elif order == "replay":
+            if len(self.files) != 1 or len(self.shards[0]) % (seq_len + 1):
+                raise DataError(f"{', '.join(self.files)}: {sum(map(len, self.shards))} tokens in {len(self.files)} "
+                                f"file(s); expected one file of rows of seq_len + 1 = {seq_len + 1} tokens (data.replay)")
         elif order == "contiguous":
             step_tokens = world_size * batch_size * seq_len + 1
             for f, shard in zip(self.files, self.shards):
@@ -1084,6 +1091,8 @@ class TrainLoader:
     def _read_stream(self):
         if self.order == "packed":
             return self._read_packed()
+        if self.order == "replay":
+            return self._read_replay()
         return self._read_shuffled() if self.order == "shuffle" else self._read_contiguous()
 
     def _read_packed(self):
@@ -1091,6 +1100,17 @@ class TrainLoader:
         rows = self._cursor.rows(self.world_size * b, self.seq_len + 1, (self.rank * b, (self.rank + 1) * b))
         buf = torch.from_numpy(rows.astype(np.int64))
         return buf[:, :-1].contiguous(), buf[:, 1:].contiguous(), self._cursor.state()
+
+    def _read_replay(self):
+        _, pos, epoch = self._cursor
+        row, rows = self.seq_len + 1, self.world_size * self.batch_size
+        if pos + rows * row > len(self.shards[0]):
+            raise DataError(f"{self.files[0]}: its {len(self.shards[0]) // row} rows of {row} tokens are used up at row "
+                            f"{pos // row}; expected a replay of at least the rows the run trains on (data.replay)")
+        start = pos + self.rank * self.batch_size * row
+        buf = torch.from_numpy(self.shards[0][start:start + self.batch_size * row].astype(np.int64)).view(-1, row)
+        self._cursor = (0, pos + rows * row, epoch)
+        return buf[:, :-1].contiguous(), buf[:, 1:].contiguous(), dict(shard=0, pos=self._cursor[1], epoch=epoch)
 
     def _read_contiguous(self):
         shard, pos, epoch = self._cursor

@@ -522,6 +522,8 @@ class Trainer:
         for seed in (torch.manual_seed, np.random.seed, random.seed):  # the same on every rank: identical initial weights
             seed(cfg.run.seed)
         self.train_files, self.val_files, tokenizer, self.data_sha = open_data(cfg)
+        if cfg.data.replay:  # another program's rows of this corpus, in their order
+            self.train_files = [Path(cfg.data.replay)]
         self.bytes = data.ByteTable(tokenizer)
         self.kit_bytes = data.kit_token_bytes(tokenizer) if kit_scored(cfg) else None  # the kit's table, for its protocol
         if self.bytes.vocab_size != cfg.model.vocab_size:
@@ -533,10 +535,13 @@ class Trainer:
         self.stages = resolve_stages(cfg)
         flat = flatten(dataclasses.asdict(cfg))
         self.recipe, self.machine = recipe(flat, self.data_sha), clock.machine(self.backend.accelerator)
-        self.calibration, self.step_costs = "", None  # the calibrated clock: seconds per step of each stage
+        self.calibration, self.step_costs, self.clock_source = "", None, ""  # the calibrated clock: seconds per step of each stage
         if cfg.budget.clock == "calibrated":
             self.calibration, self.step_costs = clock.costs(cfg.budget, [clock.stage_key(flat, self.data_sha, stage)
-                                                                         for stage in self.stages], self.machine)
+                                                                         for stage in self.stages], self.machine,
+                                                            [stage.batch_tokens for stage in self.stages])
+            doc = clock.read(cfg.budget.calibration)  # made elsewhere: its costs are another program's or machine's
+            self.clock_source = f"{doc['source']} ({doc['machine']})" if clock.made_elsewhere(doc) else ""
         self.loader, self.loader_state, self.data_wait_s = None, None, 0.0
         bos = self.bytes.bos_id if cfg.model.smear_gate or any(s.doc_mask for s in self.stages) else None
         if self.bytes.bos_id < 0 and (bos is not None or cfg.optim.mask_bos_targets):
@@ -1099,6 +1104,8 @@ class Trainer:
         if self.step_costs and self.step_ms:  # the calibrated clock's tokens/s are not the machine's
             measured = self.steady_tokens / sum(self.step_ms) * 1000
             notes.append(f"measured_tokens_per_s={measured:.0f}")
+        if self.step_costs and self.clock_source:
+            notes.append(f"step costs made elsewhere, not measured here: {self.clock_source}")
         if cfg.budget.reference_step_ms:
             notes.append(f"budget {cfg.budget.seconds:g} s at the baseline's reference step of "
                          f"{cfg.budget.reference_step_ms:g} ms")

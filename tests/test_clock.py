@@ -161,12 +161,62 @@ def test_a_calibrations_numbers_are_checked_before_training(tmp_path, builtin_10
     assert not (tmp_path / "runs").exists() and not (tmp_path / "ledger.csv").exists()
 
 
+BATCH_RAMP = "schedule.stages=[{at: 0, batch_tokens: 256}, {at: 0.5}]"  # half the batch, then smoke's 512 tokens
+
+
+def made_elsewhere(tmp_path, step_ms, **fields):
+    """A calibration made elsewhere (a chip's step times, say), written by hand: costs by tokens per step."""
+    path = tmp_path / "elsewhere.json"
+    clock.write(path, {**dict(version=clock.VERSION, id="0ffc41000001", source="a made-up chip log",
+                              machine="trn2 (made up)", step_ms=step_ms), **fields})
+    return path
+
+
+def test_a_calibration_made_elsewhere_gives_the_steps_its_costs_set(tmp_path, builtin_1024):
+    """Costs by tokens per step, on a machine that is not theirs: the kit's 5 startup steps free, then 0.5 s of
+    31.25 ms steps at 256 tokens (16) and 0.5 s of 62.5 ms steps at 512 (8), as computed by hand; "*" costs any."""
+    path = made_elsewhere(tmp_path, {"256": 31.25, "512": 62.5})
+    row, _ = calibrated_run(tmp_path, path, BATCH_RAMP, "budget.seconds=1", "budget.charge=kit", "run.profile_steps=0")
+    assert row["stages"] == "0@0.0s:21:d2 1@0.5s:8:d2" and row["steps"] == "29" and float(row["train_s"]) == 1.0
+    assert row["calibration"] == "0ffc41000001" and row["step_cost_ms"] == "31.25 62.50"
+    assert "step costs made elsewhere, not measured here: a made-up chip log (trn2 (made up))" in row["notes"]
+    flat = made_elsewhere(tmp_path, {"*": 62.5, "256": 31.25})  # an entry of its own wins over "*"
+    assert calibrated_run(tmp_path, flat, BATCH_RAMP, "budget.seconds=1", "budget.charge=kit",
+                          "run.profile_steps=0")[0]["stages"] == row["stages"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(source=""), ": source: expected a non-empty string, got ''"),
+    (dict(machine=None), ": machine: expected a non-empty string, got None"),
+    (dict(version=2), ": version: expected 1, got 2"),
+    (dict(step_ms={}), ": step_ms: expected {tokens per step: ms} with at least one entry, got {}"),
+    (dict(step_ms={"256": 31.25, "512": 0}), ": step_ms[512]: expected a finite number > 0, got 0"),
+    (dict(step_ms={"256": 31.25, "512": float("nan")}), ": step_ms[512]: expected a finite number > 0, got nan"),
+    (dict(step_ms={"256": 31.25, "0.5k": 62.5}), ": step_ms: key '0.5k': expected tokens per optimizer step"),
+    (dict(step_ms={"512": 62.5}), " has no step_ms for 256 tokens per step (this run's stages); it has 512"),
+])
+def test_a_calibration_made_elsewhere_is_checked_before_training(tmp_path, builtin_1024, capsys, fields, message):
+    path = made_elsewhere(tmp_path, {"256": 31.25, "512": 62.5}, **fields)
+    assert train.main(["--config", str(SMOKE), *args(tmp_path, "budget.clock=calibrated", f"budget.calibration={path}",
+                                                    BATCH_RAMP)]) == 2
+    assert f"budget.calibration={path}{message}" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "ledger.csv").exists()
+
+
+def test_a_calibration_made_elsewhere_is_not_scaled(tmp_path):
+    path = made_elsewhere(tmp_path, {"*": 62.5})
+    budget = load_config(SMOKE, ["budget.clock=calibrated", f"budget.calibration={path}",
+                                 "budget.reference_step_ms=200"]).budget
+    with pytest.raises(ConfigError, match="budget.reference_step_ms: scales a calibration measured here"):
+        clock.costs(budget, ["k"], clock.machine(), [512])
+
+
 def test_a_reference_step_scales_every_cost_by_the_baselines(tmp_path):
     path = calibration(tmp_path, [50.0, 100.0], [TWO_STAGES])
     keys = list(json.loads(path.read_text())["stages"])
     budget = load_config(SMOKE, ["budget.clock=calibrated", f"budget.calibration={path}",
                                  "budget.reference_step_ms=200"]).budget
-    assert clock.costs(budget, keys[::-1], clock.machine()) == ("c0ffee000001", [0.4, 0.2])
+    assert clock.costs(budget, keys[::-1], clock.machine(), [8192, 8192]) == ("c0ffee000001", [0.4, 0.2])
 
 
 class FakeTrainer:

@@ -2,8 +2,10 @@
 tools/lineage_run.py gives a lineage script: tiny shards of the kit's kind (test_kit_data's corpus and tokenizer,
 vocab 384), no training; every loop stops by a count. FrontierForge's recipes/K82s4/train.py is never part of this
 repository: the test that needs it skips unless AION_LINEAGE_SCRIPT names a copy."""
+import json
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,9 +19,10 @@ import torch.nn.functional as F
 import data
 import kit
 import ledger
+import train
 from config import ConfigError, load_config
 from test_kit_data import VOCAB, corpus, reference_rows
-from tools import lineage_run
+from tools import equal_steps, lineage_run
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools" / "kit_prepare"))
@@ -221,25 +224,100 @@ def save_untrained(script: Path, path: Path) -> Path:
     return path
 
 
+STAND_IN = """import os, torch, prepare
+def compute_dtype_for(device):
+    \"\"\"The script's own choice off CUDA and Neuron.\"\"\"
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.float32
+print('saw', os.environ['FF_DEPTH'], os.environ['OMP_NUM_THREADS'], prepare.TRAIN_TIME_BUDGET_SECONDS,
+      prepare.ensure_tokenizer().get_vocab_size(), compute_dtype_for(torch.device('cpu')))
+raise SystemExit(int(os.environ['EXIT']))
+"""
+
+
 def test_a_failed_run_is_named_and_recorded(tmp_path, monkeypatch, capsys):
-    """A stand-in script: it sees the shim and its settings, then fails (exit 3) or exits 0 without a checkpoint."""
+    """A stand-in script: it sees the shim and its settings, computes in the dtype train.py would here, on train.py's
+    threads, then fails (exit 3) or exits 0 without a checkpoint."""
     script = tmp_path / "K0" / "train.py"
     script.parent.mkdir()
-    script.write_text("import os, prepare\n"
-                      "print('saw', os.environ['FF_DEPTH'], os.environ['OMP_NUM_THREADS'], prepare.TRAIN_TIME_BUDGET_SECONDS,"
-                      " prepare.ensure_tokenizer().get_vocab_size())\n"
-                      "raise SystemExit(int(os.environ['EXIT']))\n")
+    script.write_text(STAND_IN)
     args = ["--script", str(script), "--seconds", "20", f"data.path={ROOT / 'data' / 'builtin'}",
             f"ledger.path={tmp_path / 'ledger.csv'}", f"run.out_dir={tmp_path / 'runs'}"]
     monkeypatch.setenv("EXIT", "3")
-    threads = torch.get_num_threads()
+    threads, dtype = torch.get_num_threads(), train.compute_dtype(load_config(LINEAGE).device, "cpu", False)
     assert lineage_run.main(args) == 1
     assert torch.get_num_threads() == threads  # --threads is the script's: this process (pytest's) keeps its own
     out, err = capsys.readouterr()
-    assert "saw 4 1 20.0 8192" in out and "error: the script exited with code 3; its last lines:\nsaw 4 1" in err
+    assert f"saw 4 {threads} 20.0 8192 {dtype}" in out and f"error: the script exited with code 3; its last lines:\nsaw 4" in err
+    assert lineage_run.main(args + ["--dtype", "script", "--threads", "1"]) == 1
+    assert "saw 4 1 20.0 8192 torch.float32" in capsys.readouterr().out
     monkeypatch.setenv("EXIT", "0")
     assert lineage_run.main(args) == 1
     assert "final.pt: the script exited 0 but saved no checkpoint" in capsys.readouterr().err
     rows = ledger.read(tmp_path / "ledger.csv")
-    assert [(r["config"], r["status"], r["seed"]) for r in rows] == [("lineage:K0", "failed", "73")] * 2
+    assert [(r["config"], r["status"], r["seed"]) for r in rows] == [("lineage:K0", "failed", "73")] * 3
+    assert f"dtype={str(dtype)[6:]} threads={threads}" in rows[0]["notes"] and "--dtype aion" in rows[0]["overrides"]
+    assert "dtype=its own (compute_dtype_for) threads=1" in rows[1]["notes"] and "unchanged" in rows[1]["notes"]
+    assert rows[0]["recipe"] != rows[1]["recipe"] and rows[0]["clock"] == "wall"
     assert "the script exited with code 3" in rows[0]["notes"] and rows[0]["val_bpb"] == ""
+
+
+def test_the_dtype_is_set_by_replacing_the_functions_body_alone(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(STAND_IN)
+    source = lineage_run.with_dtype(script, "bfloat16")
+    assert source.splitlines() == (STAND_IN.splitlines()[:2] + ["    return torch.bfloat16  # tools/lineage_run.py --dtype"]
+                                   + STAND_IN.splitlines()[6:])  # its docstring and body replaced, nothing else
+    script.write_text("import torch\ndtype = torch.float32\n")
+    with pytest.raises(ConfigError, match="has no top-level compute_dtype_for"):
+        lineage_run.with_dtype(script, "bfloat16")
+
+
+def test_the_virtual_clock_charges_each_step_after_the_startup(tmp_path):
+    """A stand-in for the script's loop (K82s4: its charged clock restarts at the end of the 5th step and reads
+    time.monotonic() after record_step_boundary): under AION_KIT_STEP_SECONDS every step reads 0.25 s, the startup's
+    too, whatever the steps took; the script's time keeps the rest of the time module; the shim's own is real."""
+    script = tmp_path / "loop.py"
+    script.write_text("import time\n"
+                      "import prepare\n"
+                      "from prepare import record_step_boundary\n"
+                      "assert time.sleep is prepare.time.sleep and prepare.time.monotonic is not time.monotonic\n"
+                      "budget_started = time.monotonic()\n"
+                      "for step in range(9):\n"
+                      "    time.sleep(0.01)\n"
+                      "    record_step_boundary(step)\n"
+                      "    if step + 1 == 5:\n"
+                      "        budget_started = time.monotonic()\n"
+                      "    print(step, time.monotonic() - budget_started)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tools" / "kit_prepare"), AION_KIT_STEP_SECONDS="0.25",
+               AION_KIT_STEP_LOG=str(tmp_path / "steps.log"))
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True).stdout
+    charged = [float(line.split()[1]) for line in out.splitlines()]
+    assert charged == [0.25, 0.5, 0.75, 1.0, 0.0, 0.25, 0.5, 0.75, 1.0]
+    real = [float(line.split()[1]) for line in (tmp_path / "steps.log").read_text().splitlines()]
+    assert len(real) == 9 and all(b - a >= 0.01 for a, b in zip(real, real[1:]))  # steps.log keeps the real seconds
+    for bad in ("0", "-1", "nan", "x"):
+        env["AION_KIT_STEP_SECONDS"] = bad
+        run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
+        assert run.returncode == 1 and f"AION_KIT_STEP_SECONDS={bad}: expected the charged seconds of one step" in run.stderr
+
+
+def test_equal_steps_need_a_clock_made_elsewhere_and_steps(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(STAND_IN)
+    clock_file = tmp_path / "eq.json"
+    assert equal_steps.main(["40", "--seconds", "60", "--out", str(clock_file)]) == 0
+    doc = json.loads(clock_file.read_text())
+    assert doc["step_ms"] == {"*": 1000 * (55 - 5) / 37} and doc["id"] == equal_steps.equal_steps(40, 60)["id"]
+    assert "budget.seconds=55 budget.max_steps=40" in capsys.readouterr().out
+    base = ["--script", str(script), f"ledger.path={tmp_path / 'ledger.csv'}", f"run.out_dir={tmp_path / 'runs'}"]
+    assert lineage_run.main(base + ["--clock", str(clock_file)]) == 2
+    assert "equal steps need both" in capsys.readouterr().err
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps(dict(version=1, id="x", machine="m", baseline="k", stages={
+        "k": dict(name="a/0", step_ms=1.0, ratio=1.0, se=0.0, round_ms=[1.0])})))  # measured on a machine
+    assert lineage_run.main(base + ["--clock", str(measured), "--steps", "40"]) == 2
+    assert "expected a calibration made elsewhere with one cost for every step" in capsys.readouterr().err
+    assert equal_steps.main(["8", "--out", str(clock_file)]) == 2
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "ledger.csv").exists()

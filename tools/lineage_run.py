@@ -3,13 +3,14 @@ own runs: one ledger row, as tools/nanogpt.py writes nanoGPT's recipe's. Made fo
 recipes/K82s4/train.py (github marker2601/trainium-simulator), the lineage's best public recipe; the script is never
 part of this repository.
 
-    python -m tools.lineage_run --script PATH/TO/K82s4/train.py [--seconds 600] [--seed 73] [--threads 1]
+    python -m tools.lineage_run --script PATH/TO/K82s4/train.py [--seconds 600] [--seed 73] [--threads N]
+                                [--dtype aion|script|bfloat16|float32] [--clock FILE --steps N] [--record-rows]
                                 [--config configs/cpu_lineage.yaml] [--name K82s4] [key.sub=value ...]
 
-The script runs as one process (a world of 1) on --threads threads (OMP_NUM_THREADS: AION's measured runs have one
-each; the scoring after it, untimed, keeps this process's threads), with tools/kit_prepare on PYTHONPATH as the
-kit's prepare.py over the config's data (AION_KIT_DATA; the built-in corpus is prepared on first use, as train.py
-does) and these of its FF_* settings from the config:
+The script runs as one process (a world of 1) on --threads threads (OMP_NUM_THREADS; default torch's here, as
+train.py runs; the scoring after it, untimed, keeps this process's threads), with tools/kit_prepare on PYTHONPATH as
+the kit's prepare.py over the config's data (AION_KIT_DATA; the built-in corpus is prepared on first use, as
+train.py does) and these of its FF_* settings from the config:
 - the shape: model.n_layer (FF_DEPTH), model.n_embd / model.n_head (FF_HEAD_DIM), n_embd / n_layer (FF_ASPECT_RATIO:
   its width is depth x aspect rounded up to whole heads), model.n_kv_head (FF_KV_HEADS), optim.batch_tokens
   (FF_TOTAL_BATCH) in micro-batches of optim.micro_batch rows (FF_MB) of data.seq_len, which must be its SEQ_LEN of
@@ -22,8 +23,32 @@ does) and these of its FF_* settings from the config:
   another count K it runs FF_ACCUM_SCHED=K with FF_ACCUM_LR=1 (no ramp); FF_STREAM_MIX at most the micro-batch's rows;
   FF_MUON_ZERO, FF_MUON_ZERO2 and FF_ADAMW_ZERO off: they shard the optimizer over ranks and need torch.distributed
   with more than one (its docstrings: each gives the unsharded update bit for bit).
-All else is its default. It writes <run.out_dir>/<run id>/: log.txt (its output), steps.log (the kit's step
-boundaries), final.pt (its checkpoint).
+All else is its default. It writes <run.out_dir>/<run id>/: train.py (the script as it ran), log.txt (its output),
+steps.log (the kit's step boundaries), final.pt (its checkpoint).
+
+The arithmetic (--dtype): the script's compute_dtype_for returns float32 on every device but CUDA and Neuron, so on
+a CPU it would train in float32 where AION trains in bfloat16 (train.compute_dtype: CPUs with AVX512-BF16 or AMX),
+and compare arithmetic, not recipes. `aion` (the default) is the dtype train.py computes in on this machine,
+`bfloat16` and `float32` are those, `script` its own choice. Any but `script` replaces the body of its
+compute_dtype_for (found by its syntax tree, in the copy run_dir/train.py; the original is not touched) with a
+return of that dtype: its one change, on every device (training and load_for_eval). The row's notes name the dtype,
+the threads and both files' sha256.
+
+Equal steps (--clock FILE --steps N): FILE a calibration made elsewhere (clock.py) with one cost for every step, as
+`python -m tools.equal_steps` writes it; the script's charged clock becomes the kit shim's virtual clock
+(AION_KIT_STEP_SECONDS: that cost per step after its 5 startup steps; tools/kit_prepare), so every time-keyed
+switch falls on the step the cost puts it, and it stops at step N (its --num-steps, NEURON_COMPETITION_R1_NUM_STEPS).
+AION takes the same steps and switch points with budget.clock=calibrated budget.calibration=FILE
+budget.charge=kit budget.seconds=<its FF_TIME_TARGET> budget.max_steps=N. The row's clock is then `calibrated`
+with FILE's id, and its train_s the charged seconds of the virtual clock.
+
+The same tokens (--record-rows): after the run, run_dir/rows.bin holds the rows it trained on, in order, as a shard
+of rows of SEQ_LEN + 1 tokens that train.py replays (data.order=replay data.replay=FILE): the first steps x
+batch_tokens / SEQ_LEN rows its own training loader (make_train_stream_loader over the shim's documents) yields,
+imported from the script with the run's settings and run apart from training. Its rows depend on the documents, its
+seed and those settings alone (its streams, its row pool and its generator's seed), not on training, so they are the
+rows the run drew, micro-batch after micro-batch; each row is its inputs and the last target (its masked BOS
+targets, -1, are BOS again).
 
 The score: final.pt loaded through the script's own load_for_eval (the script imported by its path, in the run's
 environment), its rotary tables extended to the windows scored (it builds them for its rows and refuses longer
@@ -37,6 +62,7 @@ missing script or a bad config or data; a run that fails (its exit code and the 
 checkpoint or is interrupted still appends its row (status failed or interrupted; exit 1 or 128 + the signal).
 """
 import argparse
+import ast
 import dataclasses
 import hashlib
 import importlib.util
@@ -53,6 +79,7 @@ from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -69,6 +96,8 @@ SHIM = ROOT / "tools" / "kit_prepare"
 SEQ_LEN = 1024  # the script's rows (its SEQ_LEN; no FF_ variable sets it)
 VOCAB = 8192  # the kit's TOKENIZER_VOCAB_SIZE
 TARGET_MARGIN_S = 5.0  # FF_TIME_TARGET = budget - this (its 1,795 s of 1,800)
+RESERVE_S = 5.0  # its CHECKPOINT_RESERVE_SECONDS: it stops once charged + a step + this reaches FF_TIME_TARGET
+DTYPES = ("aion", "script", "bfloat16", "float32")
 RAMP_K = 4  # micro-batches a step that its FF_ACCUM_SCHED default ramps up to
 STARTUP_EXCLUDED = 5  # the kit's TRAIN_STARTUP_STEPS_EXCLUDED: the charged clock starts at the end of this step
 LIMIT_SLACK_S = 900 + 600  # the run is killed past --seconds + the kit's startup cap + time to save
@@ -100,6 +129,49 @@ def script_settings(cfg, seconds: float, seed: int) -> dict:
     if o.micro_batch < 8:
         settings["FF_STREAM_MIX"] = o.micro_batch
     return {key: str(value) for key, value in settings.items()}
+
+
+def with_dtype(script: Path, dtype: str) -> str:
+    """The script's source with its compute_dtype_for's body replaced by `return torch.<dtype>`; ConfigError if it has
+    no such top-level function."""
+    source = script.read_text()
+    function = next((node for node in ast.parse(source).body
+                     if isinstance(node, ast.FunctionDef) and node.name == "compute_dtype_for"), None)
+    if function is None:
+        raise ConfigError(f"--dtype {dtype}: {script} has no top-level compute_dtype_for(device) to set its arithmetic "
+                          f"by; use --dtype script")
+    lines = source.splitlines(keepends=True)
+    first = function.body[0].lineno - 1
+    indent = lines[first][:len(lines[first]) - len(lines[first].lstrip())]
+    return "".join(lines[:first] + [f"{indent}return torch.{dtype}  # tools/lineage_run.py --dtype\n"]
+                   + lines[function.end_lineno:])
+
+
+def virtual_step_seconds(calibration: str) -> tuple:
+    """-> (its id, the one cost of every step in seconds, its source) of a calibration made elsewhere; ConfigError for
+    another kind or costs that differ by tokens per step (the shim charges every step alike)."""
+    doc = clock.read(calibration)
+    if not clock.made_elsewhere(doc) or len(set(doc["step_ms"].values())) != 1:
+        raise ConfigError(f"--clock {calibration}: expected a calibration made elsewhere with one cost for every step "
+                          f"(python -m tools.equal_steps writes one); the script's virtual clock charges its steps alike")
+    return doc["id"], next(iter(doc["step_ms"].values())) / 1000, f"{doc['source']} ({doc['machine']})"
+
+
+def record_rows(script: Path, env: dict, out: Path, rows: int):
+    """Writes the first `rows` rows of the script's training loader to the shard `out` (module docstring)."""
+    os.environ.update(env)
+    module = import_script(script)
+    if not module.STREAM_MIX:
+        raise ConfigError(f"--record-rows: {script} trains on its stream rows only with FF_STREAM_MIX > 0 (its default 8)")
+    tokenizer = module.ensure_tokenizer()
+    loader = module.make_train_stream_loader(tokenizer, module.DEVICE_BATCH_SIZE, module.TRAIN_SEQ, torch.device("cpu"), 1)
+    kept = []
+    while len(kept) * module.DEVICE_BATCH_SIZE < rows:
+        x, y, _ = next(loader)
+        last = y[:, -1:].clone()
+        last[last < 0] = tokenizer.get_bos_token_id()
+        kept.append(torch.cat([x.long(), last], 1))
+    data.write_shard(out, torch.cat(kept)[:rows].numpy().astype(np.uint16).ravel())
 
 
 def run_script(script: Path, env: dict, run_dir: Path, limit_s: float) -> tuple:
@@ -208,7 +280,15 @@ def main(argv=None) -> int:
     parser.add_argument("--script", required=True, help="the lineage's train.py (FrontierForge's recipes/K82s4/train.py)")
     parser.add_argument("--seconds", type=float, default=600.0, help="the kit's training budget (its charged clock)")
     parser.add_argument("--seed", type=int, default=73, help="FF_SEED (the script's own default: 73)")
-    parser.add_argument("--threads", type=int, default=1, help="the script's torch threads (OMP_NUM_THREADS)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="the script's torch threads (OMP_NUM_THREADS); default torch's, as train.py runs")
+    parser.add_argument("--dtype", choices=DTYPES, default="aion",
+                        help="its arithmetic: aion (what train.py computes in here), script (its own), bfloat16, float32")
+    parser.add_argument("--clock", default="", help="equal steps: a calibration made elsewhere, one cost a step "
+                                                    "(python -m tools.equal_steps); needs --steps")
+    parser.add_argument("--steps", type=int, default=0, help="with --clock: stop after this many optimizer steps")
+    parser.add_argument("--record-rows", action="store_true",
+                        help="write run_dir/rows.bin, the rows it trained on, for train.py's data.order=replay")
     parser.add_argument("--config", default=str(ROOT / "configs" / "cpu_lineage.yaml"), help="shape, data, eval, run, ledger")
     parser.add_argument("--name", default="", help="the row's config is lineage:NAME; default the script's folder name")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides; later ones win")
@@ -221,11 +301,20 @@ def main(argv=None) -> int:
         if not args.seconds > 0 or args.threads < 1 or not 0 <= args.seed < 2 ** 63:
             raise ConfigError(f"expected --seconds > 0, --threads >= 1, --seed >= 0; got {args.seconds:g}, "
                               f"{args.threads}, {args.seed}")
+        if bool(args.clock) != (args.steps > STARTUP_EXCLUDED):
+            raise ConfigError(f"--clock {args.clock or '(none)'} --steps {args.steps}: equal steps need both, a "
+                              f"calibration made elsewhere and more than its {STARTUP_EXCLUDED} startup steps")
+        virtual = virtual_step_seconds(args.clock) if args.clock else None
         cfg = load_config(args.config, args.overrides)
         if cfg.data.tokenizer_kind != "tiktoken" or cfg.model.vocab_size != VOCAB:
             raise ConfigError(f"data.tokenizer_kind={cfg.data.tokenizer_kind}, model.vocab_size={cfg.model.vocab_size}: "
                               f"the script needs the kit's kind of tokenizer of {VOCAB} ids (tiktoken, {VOCAB})")
         settings = script_settings(cfg, args.seconds, args.seed)
+        if virtual:
+            settings.update(AION_KIT_STEP_SECONDS=repr(virtual[1]), NEURON_COMPETITION_R1_NUM_STEPS=str(args.steps))
+        dtype = (str(train.compute_dtype(cfg.device, "cpu", False)).removeprefix("torch.") if args.dtype == "aion"
+                 else args.dtype)
+        source = with_dtype(script, dtype) if dtype != "script" else None
         train_files, val_files, tokenizer, data_sha = train.open_data(cfg)
         folder = train_files[0].parent.resolve()
         if not (folder / "tokenizer.pkl").is_file():
@@ -245,14 +334,20 @@ def main(argv=None) -> int:
                AION_KIT_STEP_LOG=str(run_dir / "steps.log"), NEURON_COMPETITION_R1_OUT_DIR=str(run_dir),
                OMP_NUM_THREADS=str(args.threads),
                PYTHONPATH=os.pathsep.join([str(SHIM), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    script_sha = hashlib.sha256(script.read_bytes()).hexdigest()
+    script_sha, ran = hashlib.sha256(script.read_bytes()).hexdigest(), script
+    if source is not None:
+        ran = run_dir / "train.py"
+        ran.write_text(source)
+    ran_sha = hashlib.sha256(ran.read_bytes()).hexdigest()
+    # the recipe: the script, its settings but the seed, the data, the budget; its arithmetic where it was set
     recipe = hashlib.sha256(json.dumps([script_sha, {k: v for k, v in settings.items() if k != "FF_SEED"}, data_sha,
-                                        args.seconds], sort_keys=True).encode()).hexdigest()[:12]
+                                        args.seconds] + ([dtype] if dtype != "script" else []),
+                                       sort_keys=True).encode()).hexdigest()[:12]
     git_commit, git_dirty = ledger.git_state(ROOT)
     print(f"run_id:{run_id} script:{script} sha256:{script_sha[:12]} " + " ".join(f"{k}={v}" for k, v in settings.items()),
           flush=True)
 
-    code, tail, summary, signals = run_script(script, env, run_dir, args.seconds + LIMIT_SLACK_S)
+    code, tail, summary, signals = run_script(ran, env, run_dir, args.seconds + LIMIT_SLACK_S)
     checkpoint, status, error, scores, params = run_dir / "final.pt", "failed", "", {}, None
     try:
         if signals:
@@ -262,7 +357,11 @@ def main(argv=None) -> int:
         elif not checkpoint.is_file():
             error = f"{checkpoint}: the script exited 0 but saved no checkpoint; its last lines:\n{tail}"
         else:
-            model = load_model(script, settings | {k: env[k] for k in env if k.startswith("AION_KIT")}, checkpoint,
+            settled = {k: v for k, v in env.items() if k.startswith(("FF_", "AION_KIT")) and k != "AION_KIT_STEP_SECONDS"}
+            if args.record_rows:
+                record_rows(ran, settled, run_dir / "rows.bin", step_clock(run_dir / "steps.log")["steps"]
+                            * cfg.optim.batch_tokens // SEQ_LEN)
+            model = load_model(ran, settled, checkpoint,
                                max(config.eval_seq_len(cfg), cfg.eval.kit_seq_len if train.kit_scored(cfg) else 0))
             params = sum(p.numel() for p in model.parameters())
             scores, status = score(cfg, model, val_files, tokenizer), "ok"
@@ -271,8 +370,14 @@ def main(argv=None) -> int:
         raise
     finally:
         summary, clock_ = summary or {}, step_clock(run_dir / "steps.log")
-        notes = [f"{script} sha256 {script_sha[:12]}, unchanged, on tools/kit_prepare; shape and data from "
+        if virtual and clock_.get("steps"):  # the charged seconds are the virtual clock's
+            clock_["train_s"] = virtual[1] * max(0, clock_["steps"] - STARTUP_EXCLUDED)
+        changed = "unchanged" if ran == script else f"run as {ran} (sha256 {ran_sha[:12]}: compute_dtype_for -> {dtype})"
+        notes = [f"{script} sha256 {script_sha[:12]}, {changed}, on tools/kit_prepare; shape and data from "
                  f"{args.config}; " + " ".join(f"{k}={v}" for k, v in settings.items()),
+                 f"dtype={dtype if dtype != 'script' else 'its own (compute_dtype_for)'} threads={args.threads}"]
+        notes += [f"equal steps: the shim's virtual clock, {virtual[1]:.6g} s a step, from {virtual[2]}"] if virtual else []
+        notes += [
                  f"its saved weights: {summary.get('saved_weights', '?')}; scored on windows of "
                  f"{config.eval_seq_len(cfg)} (rotary tables extended past its rows of {SEQ_LEN})"]
         notes += [cfg.ledger.notes] if cfg.ledger.notes else []
@@ -280,13 +385,17 @@ def main(argv=None) -> int:
         row = dict(time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), run_id=run_id, git_commit=git_commit,
                    git_dirty=git_dirty, config=f"lineage:{name}",
                    overrides=" ".join([f"--script {script} --seconds {args.seconds:g} --seed {args.seed} --threads "
-                                       f"{args.threads}", *args.overrides]),
+                                       f"{args.threads} --dtype {args.dtype}"
+                                       + (f" --clock {args.clock} --steps {args.steps}" if virtual else ""),
+                                       *args.overrides]),
                    device="cpu", world_size=1, seed=args.seed, data_sha=data_sha, params=params, active_params=params,
                    budget_s=args.seconds, train_s=clock_.get("train_s", summary.get("training_seconds_before_save")),
                    steps=clock_.get("steps", summary.get("steps")), tokens=summary.get("total_tokens"),
                    tokens_per_s=summary.get("tokens_per_second"), step_ms_p50=clock_.get("step_ms_p50"),
                    status=status, recipe=recipe, sweep=cfg.ledger.sweep, variant=cfg.ledger.variant,
-                   machine=clock.machine(), clock="wall", notes="; ".join(notes), **scores)
+                   machine=clock.machine(), clock="calibrated" if virtual else "wall",
+                   calibration=virtual[0] if virtual else "", step_cost_ms=f"{virtual[1] * 1000:.2f}" if virtual else "",
+                   notes="; ".join(notes), **scores)
         ledger.append(cfg.ledger.path, row)
         print("summary " + " ".join(f"{k}:{v:.6g}" if isinstance(v, float) else f"{k}:{v}" for k, v in row.items()
                                     if v not in (None, "") and k != "notes"), flush=True)

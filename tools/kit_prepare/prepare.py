@@ -21,6 +21,15 @@ evaluate_bpb's default max_tokens autoresearch's 40 x 524,288; causality_check's
 changed, the logits up to it within AION's contract tolerance 1e-5); record_step_boundary writes "step
 monotonic-seconds" lines to the file AION_KIT_STEP_LOG names, if any (the kit feeds its charged clock from it).
 Tokenizer.encode uses at most torch's threads (a one-thread run stays one thread; the ids do not change).
+
+The virtual charged clock (AION_KIT_STEP_SECONDS=c, for runs at equal steps; after FrontierForge's GPU proxy, their
+docs/SIMULATOR.md, "Virtual charged clock"): the script that imports this module (the process's __main__) gets a
+`time` whose monotonic() stands still from this import on and moves on by c at each record_step_boundary. So every
+step it times took c, its startup steps included (their compilation cannot end a run early through its stop rule's
+step estimate), its charged clock (monotonic since the end of the startup) reads c x the steps after the startup,
+and every time-keyed switch and the stop fall on the step a chip's (or any machine's) step time of c puts them,
+whatever this machine's speed. One cost for every step: the script's micro-batches per step (its batch ramp) are its
+own and never reach this module. steps.log keeps the real seconds.
 """
 import functools
 import os
@@ -139,12 +148,51 @@ def print0(*args, **kwargs):
         print(*args, **kwargs)
 
 
+class _VirtualClock:
+    """monotonic(): the real clock's reading when it was made + step_s x the step boundaries since."""
+
+    def __init__(self, step_s: float):
+        self.step_s, self.now = step_s, time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def boundary(self):
+        self.now += self.step_s
+
+
+def _virtual_clock():
+    """AION_KIT_STEP_SECONDS's clock, installed as the `time` of the importing script (__main__); None unset."""
+    value = os.environ.get("AION_KIT_STEP_SECONDS", "")
+    if not value:
+        return None
+    try:
+        step_s = float(value)
+    except ValueError:
+        step_s = 0.0
+    if not (step_s > 0 and step_s < float("inf")):
+        raise ValueError(f"AION_KIT_STEP_SECONDS={value}: expected the charged seconds of one step, a finite number > 0")
+    clock = _VirtualClock(step_s)
+    script = sys.modules.get("__main__")
+    if script is not None and getattr(script, "time", None) is time:
+        virtual = type(time)("time", "the time module, monotonic() charged by steps (prepare.py's virtual clock)")
+        virtual.__dict__.update({k: v for k, v in vars(time).items() if not k.startswith("__")}, monotonic=clock.monotonic)
+        script.time = virtual
+    return clock
+
+
+_CLOCK = _virtual_clock()
+
+
 def record_step_boundary(step: int):
-    """After optimizer step `step` (0-based): "step monotonic-seconds" appended to AION_KIT_STEP_LOG, if set."""
+    """After optimizer step `step` (0-based): "step monotonic-seconds" (real seconds) appended to AION_KIT_STEP_LOG, if
+    set; the virtual clock, if on, moves on."""
     path = os.environ.get("AION_KIT_STEP_LOG")
     if path:
         with open(path, "a") as f:
             f.write(f"{step} {time.monotonic():.6f}\n")
+    if _CLOCK is not None:
+        _CLOCK.boundary()
 
 
 def _document_batches(split, start=0, step=1, tokenizer_batch_size=128):
