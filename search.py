@@ -55,7 +55,7 @@ SIGTERM (checkpoint, interrupted row) and stay RUNNING in the study; the same co
 host takes each over (its lock, locks.py, tells whether its run still goes) and resumes it from its
 checkpoint; one that had finished is told from its row. A host is $AION_HOST, else its name (locks.host).
 Output, in sweeps/<name>/: trials-<machine>.md (best first), history, importance and slice plots
-(both rewritten as each trial ends), and confirm/verdict.md (sweep.py's table).
+(both rewritten as each trial ends), and confirm/verdict.md (a sweep's table).
 """
 import dataclasses
 import difflib
@@ -80,7 +80,7 @@ import sqlalchemy
 import clock
 import ledger
 import locks
-import sweep
+import sweeprun
 from config import ConfigError, flatten, load_config
 
 KEYS = {"trials", "seed", "budget", "space", "templates", "prune", "confirm", "calibration_rounds", "enqueue"}
@@ -92,13 +92,13 @@ RETRY_S = 600  # how long a worker waits out a database it lost (a restart, a fa
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
-class SearchError(sweep.SweepError):
+class SearchError(sweeprun.SweepError):
     pass
 
 
 def load(path: Path, doc: dict = None) -> dict:
     """A search file (a sweep file with `search:`), checked -> the sweep dict of sweep.load_sweep plus `search`."""
-    doc = sweep.read_file(path) if doc is None else doc
+    doc = sweeprun.read_file(path) if doc is None else doc
     where = f"{path}: search"
     s = doc["search"]
     if not isinstance(s, dict) or set(s) - KEYS:
@@ -168,7 +168,7 @@ def load(path: Path, doc: dict = None) -> dict:
         for name, value in params.items():
             if not in_space(space[name], value):
                 raise SearchError(f"{where}.enqueue[{i}].{name}: {value!r} is outside the space ({space[name]})")
-    spec = dict(name=sweep.plain_name(doc.get("name"), f"{path}: name"), config=doc["config"],
+    spec = dict(name=sweeprun.plain_name(doc.get("name"), f"{path}: name"), config=doc["config"],
                 overrides=doc.get("overrides") or [], out=path.parent / doc["name"], clock="calibrated",
                 search=dict(trials=trials, seed=seed, budget=budget, space=space, templates=templates, prune=prune,
                             confirm=confirm, rounds=rounds, enqueue=enqueue))
@@ -240,8 +240,8 @@ def fill(template, params):
 def trial_overrides(spec, params) -> list:
     """Sampled values -> the trial's overrides: its config keys, then its templates filled."""
     s = spec["search"]
-    keys = [f"{k}={sweep.flow(v)}" for k, v in params.items() if not any(uses(t, k) for t in s["templates"].values())]
-    return keys + [f"{k}={sweep.flow(fill(t, params))}" for k, t in s["templates"].items()]
+    keys = [f"{k}={sweeprun.flow(v)}" for k, v in params.items() if not any(uses(t, k) for t in s["templates"].values())]
+    return keys + [f"{k}={sweeprun.flow(fill(t, params))}" for k, t in s["templates"].items()]
 
 
 def common_overrides(spec) -> list:
@@ -413,7 +413,7 @@ class Worker:
         return dict(name=self.name, config=self.spec["config"], overrides=common_overrides(self.spec), out=str(self.out),
                     variant=variant, trial=overrides, extra=self.extra, jobs=self.jobs, rounds=self.s["rounds"])
 
-    def sweep_for(self, variant, overrides) -> sweep.Sweep:
+    def sweep_for(self, variant, overrides) -> sweeprun.Sweep:
         return trial_sweep(**self.job(variant, overrides))
 
     def variant(self, number):
@@ -467,7 +467,7 @@ class Worker:
             overrides = trial_overrides(self.spec, trial.params)
             try:
                 runner = self.sweep_for(self.variant(trial.number), overrides)
-            except (ConfigError, sweep.SweepError) as e:
+            except (ConfigError, sweeprun.SweepError) as e:
                 self.invalid(trial, str(e))
                 continue
             # Its lock first, then `overrides`, which makes it a trial orphan() may take over: held, it is not.
@@ -508,7 +508,7 @@ class Worker:
         start = time.time()
         self.calibrating = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "calibrate", json.dumps(job)],
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                            preexec_fn=sweep.dies_with(os.getpid()))
+                                            preexec_fn=sweeprun.dies_with(os.getpid()))
         stdout, stderr = self.calibrating.communicate()
         returncode, self.calibrating = self.calibrating.returncode, None
         trial.set_user_attr("calibration_s", round(time.time() - start, 1))
@@ -541,7 +541,7 @@ class Worker:
         with open(log, "a") as out:
             record["offset"] = out.tell()
             child = subprocess.Popen(runner.command(variant, seed), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                     pass_fds=(lock.fd,), preexec_fn=sweep.dies_with(os.getpid()))
+                                     pass_fds=(lock.fd,), preexec_fn=sweeprun.dies_with(os.getpid()))
         lock.note(child=child.pid)
         record["child"], record["log"] = child, log
 
@@ -742,15 +742,15 @@ class Worker:
                     clock="calibrated")
         print(f"search:{self.name} confirming the best {len(best)} at the config's budget against {c['against']}, "
               f"seeds {c['seeds']}", flush=True)
-        return sweep.Sweep(spec, self.extra, nproc=1, jobs=self.jobs).run()
+        return sweeprun.Sweep(spec, self.extra, nproc=1, jobs=self.jobs).run()
 
 
-def trial_sweep(name, config, overrides, out, variant, trial, extra, jobs, rounds) -> sweep.Sweep:
-    """A sweep.Sweep of the base config and one trial: its command, rows, checkpoint, lock, calibration."""
+def trial_sweep(name, config, overrides, out, variant, trial, extra, jobs, rounds) -> sweeprun.Sweep:
+    """A sweeprun.Sweep of the base config and one trial: its command, rows, checkpoint, lock, calibration."""
     spec = dict(name=name, config=config, seeds=[0], overrides=overrides, baseline="base",
                 variants={"base": [], variant: trial}, variant_configs={}, out=Path(out), ablation=False,
                 clock="calibrated")
-    return sweep.Sweep(spec, extra, nproc=1, jobs=jobs, rounds=rounds)
+    return sweeprun.Sweep(spec, extra, nproc=1, jobs=jobs, rounds=rounds)
 
 
 def calibrate_main(arg: str) -> int:
@@ -768,7 +768,7 @@ def calibrate_main(arg: str) -> int:
         with open(runner.calibration.with_suffix(".lock"), "w") as lock:  # one writer of the file at a time
             fcntl.flock(lock, fcntl.LOCK_EX)
             runner.calibrate(before_rounds=lambda: [signal_pid(pid, signal.SIGSTOP) for pid in paused])
-    except (ConfigError, sweep.SweepError) as e:
+    except (ConfigError, sweeprun.SweepError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -15,6 +15,7 @@ import clock
 import ledger
 import search
 import sweep
+import sweeprun
 from test_clock import args as extra
 from test_faults import wait_for
 
@@ -77,8 +78,8 @@ def test_bad_input_is_named_before_any_trial(tmp_path, builtin_1024, capsys, spa
 
 
 def test_bad_input_on_the_command_line_is_exit_2_and_one_line(tmp_path, builtin_1024):
-    """From the shell (sweep.py as __main__, which search.py imports again as `sweep`) a bad search
-    file is the same named error, not a traceback."""
+    """From the shell (sweep.py as __main__, its main() catching sweeprun's SweepError, which search.py's
+    SearchError subclasses) a bad search file is the same named error, not a traceback."""
     path = write_search(tmp_path, space={"model.mlp_mult": {"choice": [3]}})
     proc = subprocess.run(command(tmp_path, path), cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
@@ -150,7 +151,7 @@ def test_the_confirmation_pairs_the_best_trials_against_the_against_config(tmp_p
             params={"optim.muon_lr": 0.01 * (number + 1)}, distributions={"optim.muon_lr": search.distribution(
                 "lr", SPACE["optim.muon_lr"])}, value=value, user_attrs={"overrides": [f"optim.muon_lr={value}"]}))
     specs = []
-    monkeypatch.setattr(sweep, "Sweep", lambda spec, *args, **kwargs: specs.append(spec) or type(
+    monkeypatch.setattr(sweeprun, "Sweep", lambda spec, *args, **kwargs: specs.append(spec) or type(
         "Ran", (), {"run": lambda self: 0})())
     assert worker.confirm() == 0
     (spec,) = specs
