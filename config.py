@@ -521,10 +521,13 @@ def validate(cfg: Config):
         raise ConfigError("budget.count_compile: with budget.charge=kit every step after budget.startup_steps counts, "
                           "compile included, and the startup before is free up to budget.startup_cap_s; expected false")
     stages = resolve_stages(cfg)
-    if (d.row_pool or d.replay) and (lengths := [s.seq_len for s in stages if s.seq_len != d.seq_len]):
-        raise ConfigError(f"data.row_pool={d.row_pool}, data.replay={d.replay!r}: a pool or a replay holds rows of "
-                          f"data.seq_len ({d.seq_len}) tokens, but a schedule stage sets seq_len {lengths[0]}; expected "
-                          f"neither with such stages")
+    lengths = [s.seq_len for s in stages if s.seq_len != d.seq_len]
+    if d.row_pool and lengths:
+        raise ConfigError(f"data.row_pool={d.row_pool}: the pool holds rows of data.seq_len ({d.seq_len}) tokens, but a "
+                          f"schedule stage sets seq_len {lengths[0]}; expected data.row_pool=0 with such stages")
+    if d.replay and lengths:
+        raise ConfigError(f"data.replay={d.replay}: holds rows of data.seq_len ({d.seq_len}) + 1 tokens, but a schedule "
+                          f"stage sets seq_len {lengths[0]}; expected no such stage with a replay")
     if readers and any(stage.recur > 1 for stage in stages):
         raise ConfigError("model.attn_source_layers: a loop (a schedule stage with recur > 1) is not defined with "
                           "attention-source reuse")

@@ -523,6 +523,9 @@ class Trainer:
             seed(cfg.run.seed)
         self.train_files, self.val_files, tokenizer, self.data_sha = open_data(cfg)
         if cfg.data.replay:  # another program's rows of this corpus, in their order
+            if not Path(cfg.data.replay).is_file():
+                raise ConfigError(f"data.replay={cfg.data.replay}: no such file; expected a shard of training rows "
+                                  f"(tools/lineage_run.py --record-rows writes one)")
             self.train_files = [Path(cfg.data.replay)]
         self.bytes = data.ByteTable(tokenizer)
         self.kit_bytes = data.kit_token_bytes(tokenizer) if kit_scored(cfg) else None  # the kit's table, for its protocol

@@ -2,7 +2,8 @@
 FF_ROW_SHUFFLE_FROM) as data.row_pool and data.row_pool_from: off, the loader's batches and positions as before;
 on, every row the stream gave is drawn once or still pooled, the first row_pool_from micro-batches come in stream
 order, the draws are the swap-with-last rule of a generator seeded by the run's seed and the rank, and a loader or a
-run resumed from its state is the uninterrupted one to the bit."""
+run resumed from its state is the uninterrupted one to the bit. And data.order=replay (another program's rows, in
+their order): a run on recorded rows is the run that read them, to the bit."""
 import dataclasses
 import io
 import random
@@ -20,7 +21,7 @@ import data
 import train
 from config import ConfigError, load_config
 from data import DataError
-from test_kit_contract import SMOKE, VOCAB, calibrated, documents, kit_args
+from test_kit_contract import ROOT, SMOKE, VOCAB, calibrated, documents, kit_args
 from test_kit_data import BOS, make_docs, write_docs
 
 ORDERS = ("contiguous", "packed")
@@ -112,7 +113,7 @@ def same_state(a, b):
 
 # -- off: the loader as it was -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("order", data.ORDERS)
+@pytest.mark.parametrize("order", [o for o in data.ORDERS if o != "replay"])  # a replay never has a pool
 def test_off_the_batches_and_positions_are_the_streams(tmp_path, order):
     make = loaders(tmp_path, order)
     before, off = make(prefetch=0), make(prefetch=2, row_pool=0, row_pool_from=0)
@@ -284,3 +285,73 @@ def test_config_errors_name_the_key_and_value(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(SMOKE, overrides)
     assert message in str(e.value)
+
+
+# -- replay ---------------------------------------------------------------------------------------------------
+
+def replay_file(tmp_path, rows, length=17):
+    """A replay of `rows` rows of `length` tokens, row i's tokens all i (rows of seq_len 16 + 1 by default)."""
+    path = tmp_path / "rows.bin"
+    data.write_shard(path, np.repeat(np.arange(rows, dtype=np.uint16), length))
+    return path
+
+
+def test_a_replay_gives_its_rows_in_order_split_by_rank_and_resumes(tmp_path):
+    path = replay_file(tmp_path, 24)
+    loader = data.TrainLoader([path], 4, 16, 65536, order="replay", prefetch=2)
+    x, y = loader.next_batch()
+    assert x[:, 0].tolist() == [0, 1, 2, 3] and torch.equal(x[:, 1:], y[:, :-1]) and y[:, -1].tolist() == [0, 1, 2, 3]
+    state = loader.state_dict()
+    assert loader.next_batch()[0][:, 0].tolist() == [4, 5, 6, 7]
+    loader.close()
+    again = data.TrainLoader([path], 2, 16, 65536, order="replay", prefetch=0)  # another stage's rows a step
+    again.load_state_dict(state)
+    assert [again.next_batch()[0][:, 0].tolist() for _ in range(2)] == [[4, 5], [6, 7]]
+    ranks = [data.TrainLoader([path], 2, 16, 65536, rank=r, world_size=2, order="replay", prefetch=0) for r in (0, 1)]
+    assert [[rank.next_batch()[0][:, 0].tolist() for rank in ranks] for _ in range(2)] == [[[0, 1], [2, 3]],
+                                                                                           [[4, 5], [6, 7]]]
+    short = data.TrainLoader([path], 8, 16, 65536, order="replay", prefetch=0)
+    for _ in range(3):
+        short.next_batch()
+    with pytest.raises(DataError, match=f"{path}: its 24 rows of 17 tokens are used up at row 24"):
+        short.next_batch()
+    with pytest.raises(DataError, match="expected one file of rows of seq_len \\+ 1 = 33 tokens"):
+        data.TrainLoader([path], 4, 32, 65536, order="replay", prefetch=0)
+
+
+def test_a_run_on_recorded_rows_is_the_run_that_read_them_to_the_bit(tmp_path, builtin_1024):
+    """smoke.yaml on the contiguous stream for 4 steps, then on a replay of the rows it read (each row its inputs and
+    last target): the same weights, bit for bit."""
+    common = [f"data.path={ROOT / 'data' / 'builtin'}", f"ledger.path={tmp_path / 'ledger.csv'}",
+              f"run.out_dir={tmp_path / 'runs'}", "budget.max_steps=4", "run.profile_steps=0", "eval.tokens=1024"]
+    cfg = load_config(SMOKE, [*common, "data.order=contiguous"])
+    loader = data.TrainLoader(train.open_data(cfg)[0], cfg.optim.micro_batch, 64, 1024, order="contiguous", prefetch=0)
+    rows = [torch.cat([x, y[:, -1:]], 1) for x, y in (loader.next_batch() for _ in range(4 * config.accum_steps(cfg)))]
+    data.write_shard(tmp_path / "rows.bin", torch.cat(rows).numpy().astype(np.uint16).ravel())
+    for name, order in (("read", ["data.order=contiguous"]),
+                        ("replayed", ["data.order=replay", f"data.replay={tmp_path / 'rows.bin'}"])):
+        assert train.main(["--config", str(SMOKE), *common, *order, f"checkpoint.path={tmp_path / name}.pt"]) == 0
+    read, replayed = (train.load_checkpoint(tmp_path / f"{name}.pt")["model"] for name in ("read", "replayed"))
+    assert all(torch.equal(read[k], replayed[k]) for k in read)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.order=replay"], "data.order=replay, data.replay='': a replay trains on the rows of the file data.replay"),
+    (["data.replay=rows.bin"], "data.order=shuffle, data.replay='rows.bin': a replay trains on the rows"),
+    (["data.order=replay", "data.replay=rows.bin", "data.row_pool=4"],
+     "data.row_pool=4: data.replay's rows are replayed in the order they were trained on; expected data.row_pool=0"),
+    (["data.order=replay", "data.replay=rows.bin", "schedule.stages=[{at: 0, seq_len: 32}, {at: 0.5}]"],
+     "data.replay=rows.bin: holds rows of data.seq_len (64) + 1 tokens, but a schedule stage sets seq_len 32"),
+])
+def test_replay_config_errors_name_the_keys(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(SMOKE, overrides)
+    assert message in str(e.value)
+
+
+def test_a_missing_replay_is_named_before_training(tmp_path, builtin_1024, capsys):
+    assert train.main(["--config", str(SMOKE), f"data.path={ROOT / 'data' / 'builtin'}", "data.order=replay",
+                       f"data.replay={tmp_path / 'none.bin'}", f"ledger.path={tmp_path / 'ledger.csv'}",
+                       f"run.out_dir={tmp_path / 'runs'}"]) == 2
+    assert f"data.replay={tmp_path / 'none.bin'}: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "ledger.csv").exists()

@@ -24,7 +24,9 @@ train.py does) and these of its FF_* settings from the config:
   FF_MUON_ZERO, FF_MUON_ZERO2 and FF_ADAMW_ZERO off: they shard the optimizer over ranks and need torch.distributed
   with more than one (its docstrings: each gives the unsharded update bit for bit).
 All else is its default. It writes <run.out_dir>/<run id>/: train.py (the script as it ran), log.txt (its output),
-steps.log (the kit's step boundaries), final.pt (its checkpoint).
+steps.log (the kit's step boundaries), final.pt (its checkpoint), metrics.jsonl (its training loss as `ledger.py
+plot curves` reads AION's: a record per step line of its log, every 10th step, its loss there a debiased EMA (0.9)
+of the last micro-batch's, at the charged seconds and tokens after that step).
 
 The arithmetic (--dtype): the script's compute_dtype_for returns float32 on every device but CUDA and Neuron, so on
 a CPU it would train in float32 where AION trains in bfloat16 (train.compute_dtype: CPUs with AVX512-BF16 or AMX),
@@ -68,6 +70,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import secrets
 import signal
 import statistics
@@ -209,6 +212,28 @@ def run_script(script: Path, env: dict, run_dir: Path, limit_s: float) -> tuple:
     if killed:
         tail.append(f"[lineage_run: killed past {limit_s:.0f} s]\n")
     return code, "".join(tail), summary, signals
+
+
+STEP_LINE = re.compile(r"^step (\d+) \| loss ([-\w.]+) \|")
+
+
+def write_curve(run_dir: Path, summary: dict, step_s, micro_tokens: int, batch_tokens: int):
+    """run_dir/metrics.jsonl from its log's step lines (module docstring): charged seconds from steps.log (the virtual
+    clock's step_s a step, if on), tokens from its batch ramp's switches in its summary (the full batch before)."""
+    times = [float(line.split()[1]) for line in (run_dir / "steps.log").read_text().splitlines()] \
+        if (run_dir / "steps.log").exists() else []
+    switches = {s[1]: s[3] for s in (summary.get("accum_sched") or {}).get("switches", [])}
+    k, tokens, records = batch_tokens // micro_tokens, 0, []
+    lines = (run_dir / "log.txt").read_text().splitlines()
+    losses = {int(m[1]): float(m[2]) for m in map(STEP_LINE.match, lines) if m}
+    for step in range(len(times)):
+        k = switches.get(step, k)
+        tokens += k * micro_tokens
+        if step in losses:
+            charged = (step_s * max(0, step + 1 - STARTUP_EXCLUDED) if step_s else
+                       times[step] - times[min(step, STARTUP_EXCLUDED - 1)])
+            records.append(dict(kind="train", step=step + 1, train_s=round(charged, 3), tokens=tokens, loss=losses[step]))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def step_clock(path: Path) -> dict:
@@ -397,6 +422,8 @@ def main(argv=None) -> int:
                    calibration=virtual[0] if virtual else "", step_cost_ms=f"{virtual[1] * 1000:.2f}" if virtual else "",
                    notes="; ".join(notes), **scores)
         ledger.append(cfg.ledger.path, row)
+        write_curve(run_dir, summary, virtual[1] if virtual else None, cfg.optim.micro_batch * SEQ_LEN,
+                    cfg.optim.batch_tokens)
         print("summary " + " ".join(f"{k}:{v:.6g}" if isinstance(v, float) else f"{k}:{v}" for k, v in row.items()
                                     if v not in (None, "") and k != "notes"), flush=True)
     if error:
