@@ -38,8 +38,9 @@ the threads and both files' sha256.
 
 Equal steps (--clock FILE --steps N): FILE a calibration made elsewhere (clock.py) with one cost for every step, as
 `python -m tools.equal_steps` writes it; the script's charged clock becomes the kit shim's virtual clock
-(AION_KIT_STEP_SECONDS: that cost per step after its 5 startup steps; tools/kit_prepare), so every time-keyed
-switch falls on the step the cost puts it, and it stops at step N (its --num-steps, NEURON_COMPETITION_R1_NUM_STEPS).
+(AION_KIT_STEP_SECONDS: that cost for every step, its 5 startup steps included; tools/kit_prepare), so every time-keyed
+switch falls on the step the cost puts it, and it stops at step N (its --num-steps, NEURON_COMPETITION_R1_NUM_STEPS);
+no wall-clock limit kills it then (its steps end it, not this machine's speed; Ctrl-C still stops it).
 AION takes the same steps and switch points with budget.clock=calibrated budget.calibration=FILE
 budget.charge=kit budget.seconds=<its FF_TIME_TARGET> budget.max_steps=N. The row's clock is then `calibrated`
 with FILE's id, and its train_s the charged seconds of the virtual clock.
@@ -177,9 +178,10 @@ def record_rows(script: Path, env: dict, out: Path, rows: int):
     data.write_shard(out, torch.cat(kept)[:rows].numpy().astype(np.uint16).ravel())
 
 
-def run_script(script: Path, env: dict, run_dir: Path, limit_s: float) -> tuple:
+def run_script(script: Path, env: dict, run_dir: Path, limit_s) -> tuple:
     """The script in a subprocess (cwd run_dir), its output echoed and kept in log.txt; SIGINT and SIGTERM are passed
-    on to it; killed past limit_s. -> (exit code, its last lines, its ff_summary dict or None, signals received)."""
+    on to it; killed past limit_s (None: never; under the virtual clock a run's wall time is not its budget's).
+    -> (exit code, its last lines, its ff_summary dict or None, signals received)."""
     proc = subprocess.Popen([sys.executable, "-u", str(script)], cwd=run_dir, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
 
@@ -193,8 +195,9 @@ def run_script(script: Path, env: dict, run_dir: Path, limit_s: float) -> tuple:
 
     signals, killed = [], []
     handlers = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    watchdog = threading.Timer(limit_s, kill)
-    watchdog.start()
+    watchdog = threading.Timer(limit_s or 0, kill)
+    if limit_s:
+        watchdog.start()
     tail, summary = deque(maxlen=TAIL_LINES), None
     try:
         with open(run_dir / "log.txt", "w") as log:
@@ -372,7 +375,7 @@ def main(argv=None) -> int:
     print(f"run_id:{run_id} script:{script} sha256:{script_sha[:12]} " + " ".join(f"{k}={v}" for k, v in settings.items()),
           flush=True)
 
-    code, tail, summary, signals = run_script(ran, env, run_dir, args.seconds + LIMIT_SLACK_S)
+    code, tail, summary, signals = run_script(ran, env, run_dir, None if virtual else args.seconds + LIMIT_SLACK_S)
     checkpoint, status, error, scores, params = run_dir / "final.pt", "failed", "", {}, None
     try:
         if signals:
