@@ -54,6 +54,7 @@ WARMUP = 3  # steps of each stage before the rounds (compilation, optimizer stat
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # what decides a CPU's matmul speed here
 # Keys that change what a step learns but not what it computes (its shapes and operations).
 COST_IGNORED = ("optim.muon_lr", "optim.muon_momentum", "optim.muon_momentum_start", "optim.muon_momentum_warmup",
+                "optim.muon_momentum_warmup_steps", "optim.warmup_steps",
                 "optim.embed_lr", "optim.head_lr", "optim.scalar_lr", "optim.beta1", "optim.beta2",
                 "optim.weight_decay", "optim.head_wd", "optim.warmup", "optim.warmdown", "optim.warmdown_steps",
                 "optim.lr_floor", "model.qk_gain_init", "model.embed_init_std", "model.rope_base",

@@ -110,6 +110,7 @@ class OptimConfig:
     muon_momentum: float
     muon_momentum_start: float
     muon_momentum_warmup: float
+    muon_momentum_warmup_steps: int
     muon_ns_steps: int
     muon_ns: str
     muon_row_norm: bool
@@ -125,6 +126,7 @@ class OptimConfig:
     weight_decay: float
     head_wd: float
     warmup: float
+    warmup_steps: int
     warmdown: float
     warmdown_steps: int
     lr_floor: float
@@ -297,7 +299,8 @@ CHECKS = {
     "mod.layers": (lambda v: all(isinstance(i, int) and not isinstance(i, bool) for i in v), "a list of integers"),
     "schedule.grow_depth": one_of("append", "interleave"), "schedule.grow_init": one_of("zero", "copy"), "model.embed_init_std": positive,
     "model.bigram_buckets": (lambda v: v == 0 or v >= 2, "0 (off) or >= 2"), "optim.muon_momentum_start": fraction,
-    "optim.muon_momentum_warmup": fraction, "optim.batch_tokens": positive,
+    "optim.muon_momentum_warmup": fraction, "optim.muon_momentum_warmup_steps": non_negative,
+    "optim.warmup_steps": non_negative, "optim.batch_tokens": positive,
     "optim.micro_batch": positive, "optim.muon_lr": non_negative, "optim.muon_momentum": fraction,
     "optim.ema": (lambda v: 0 <= v < 1, "in [0, 1)"), "optim.ema_every": positive, "optim.ema_blend": fraction,
     "optim.mtp_weights": (lambda v: all(number(w) and w >= 0 for w in v), "a list of numbers >= 0"),
@@ -452,6 +455,10 @@ def validate(cfg: Config):
     if len(o.mtp_until) != len(o.mtp_weights) or any(a <= b for a, b in zip(o.mtp_until, o.mtp_until[1:])):
         raise ConfigError(f"optim.mtp_until: expected one progress per optim.mtp_weights entry ({len(o.mtp_weights)}), "
                           f"decreasing (the farthest target fades first), got {list(o.mtp_until)}")
+    for steps, fraction in (("warmup_steps", "warmup"), ("muon_momentum_warmup_steps", "muon_momentum_warmup")):
+        if getattr(o, steps) and getattr(o, fraction):
+            raise ConfigError(f"optim.{steps}={getattr(o, steps)} and optim.{fraction}={getattr(o, fraction)}: one "
+                              f"ramp, in steps or in a fraction of the budget; expected one of them 0")
     if o.warmup + o.warmdown > 1:
         raise ConfigError(f"optim.warmup + optim.warmdown must be <= 1, got {o.warmup} + {o.warmdown}")
     if o.batch_tokens % (o.micro_batch * cfg.data.seq_len):
@@ -715,6 +722,7 @@ RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_bucket
                   "optim.muon_row_norm", "optim.muon_wd", "optim.muon_wd_cautious", "optim.normuon_beta2",
                   "optim.mlp_proj_lr", "optim.head_wd", "optim.warmdown_steps",
                   "optim.muon_momentum_start", "optim.muon_momentum_warmup", "schedule.grow_init",
+                  "optim.warmup_steps", "optim.muon_momentum_warmup_steps",
                   "budget.reference_step_ms", "device.attn_dtype", "mod.recur", "schedule.recur_gate",
                   "data.tokenizer_kind", "budget.charge", "budget.startup_steps", "budget.startup_cap_s",
                   "data.row_pool", "data.row_pool_from",

@@ -158,20 +158,29 @@ def make_optimizers(model: GPT, o: OptimConfig, masters: dict):
     return optimizers
 
 
-def muon_momentum(p: float, o: OptimConfig) -> float:
+def muon_momentum(p: float, o: OptimConfig, full_batches: float = 0.0) -> float:
     """Muon's momentum at progress p: linear from muon_momentum_start to muon_momentum over the first
-    muon_momentum_warmup of the budget (modded-nanogpt record 9: 0.85 -> 0.95), then constant."""
-    if p >= o.muon_momentum_warmup:
+    muon_momentum_warmup of the budget (modded-nanogpt record 9: 0.85 -> 0.95), then constant; with
+    muon_momentum_warmup_steps = N over the first N full batches trained instead (FrontierForge K82s4's
+    muon_momentum over its micro-batches done / per step: 300)."""
+    if o.muon_momentum_warmup_steps:
+        done = min(full_batches / o.muon_momentum_warmup_steps, 1.0)
+    elif p >= o.muon_momentum_warmup:
         return o.muon_momentum
-    return o.muon_momentum_start + (o.muon_momentum - o.muon_momentum_start) * max(p, 0.0) / o.muon_momentum_warmup
+    else:
+        done = max(p, 0.0) / o.muon_momentum_warmup
+    return o.muon_momentum_start + (o.muon_momentum - o.muon_momentum_start) * done
 
 
-def lr_scale(p: float, o: OptimConfig) -> float:
-    """LR multiplier at progress p in [0, 1]: linear warmup, constant, warmdown to lr_floor: linear, or
-    with optim.warmdown_steps = N in N equal drops, lr_floor + (1 - lr_floor) * level / (N + 1) with
+def lr_scale(p: float, o: OptimConfig, step: int = 0) -> float:
+    """LR multiplier at progress p in [0, 1] for the optimizer step `step` (0-based): linear warmup (with
+    optim.warmup_steps = N over steps instead: (step + 1) / N, K82s4's), constant, warmdown to lr_floor: linear,
+    or with optim.warmdown_steps = N in N equal drops, lr_floor + (1 - lr_floor) * level / (N + 1) with
     level N, N - 1, ..., 1 in turn over the warm-down's N equal parts, the last held to the end (never
     lr_floor itself). FrontierForge K82s4's cool-down (recipes/K82s4/train.py, cooldown_level) is
     warmdown 0.7, N 19, lr_floor 0: 0.95, 0.90, ..., 0.05."""
+    if o.warmup_steps and step < o.warmup_steps:
+        return (step + 1) / o.warmup_steps
     p = min(max(p, 0.0), 1.0)
     if o.warmup > 0 and p < o.warmup:
         return p / o.warmup

@@ -729,12 +729,12 @@ class Trainer:
         update. Returns the mean training loss (of all ranks) as a device tensor, not read here."""
         # Never exactly 0: torch-xla traces a zero LR into a graph of its own (measured), so warmup's
         # first steps and warmdown's last would each compile one more.
-        scale = max(lr_scale(progress, self.cfg.optim) * self.batch_lr, 1e-9)
+        scale = max(lr_scale(progress, self.cfg.optim, self.step_count) * self.batch_lr, 1e-9)
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["peak_lr"] * scale
         for group in self.optimizers[0].param_groups:  # Muon
-            group["momentum"] = muon_momentum(progress, self.cfg.optim)
+            group["momentum"] = muon_momentum(progress, self.cfg.optim, self.tokens / self.cfg.optim.batch_tokens)
         self.model.set_mtp_weights(mtp_weights(progress, self.cfg.optim))
         loss_sum = torch.zeros((), device=self.device)
         for micro, (x, y) in enumerate(self.inputs):
@@ -853,7 +853,7 @@ class Trainer:
         loss = (total - self.logged[0]) / (self.step_count - self.logged[1])
         self.logged = (total, self.step_count)
         budget = self.cfg.budget.seconds
-        scale = lr_scale(self.train_s / budget, self.cfg.optim)
+        scale = lr_scale(self.train_s / budget, self.cfg.optim, self.step_count)  # the next step's, as p is
         self.log(f"step:{self.step_count} loss:{loss:.4f} tokens_per_s:{self.tokens_per_s:.0f} train_s:{self.train_s:.1f} "
                  f"p:{self.train_s / budget:.3f} lr_scale:{scale:.3f} epoch:{self.loader.epoch}")
         self.metric("train", loss=loss, lr_scale=scale, tokens_per_s=self.tokens_per_s)

@@ -1,8 +1,9 @@
 """The competition lineage's optimizer and schedule items (FrontierForge K82s4, recipes/K82s4/train.py,
 github marker2601/trainium-simulator) as optim and schedule keys: NorMuon (optim.normuon_beta2), cautious
 Muon weight decay (optim.muon_wd_cautious), the MLP output projections' Muon LR (optim.mlp_proj_lr), the
-untied head's own decay (optim.head_wd), the stepped warm-down (optim.warmdown_steps) and a stage's LR
-factor (schedule stage `lr`, the batch ramp's 0.35 / 0.6). Each off is the optimizer as before, bitwise;
+untied head's own decay (optim.head_wd), the stepped warm-down (optim.warmdown_steps), a stage's LR
+factor (schedule stage `lr`, the batch ramp's 0.35 / 0.6), and the warm-up and momentum ramp counted in steps and
+full batches as the lineage counts them (optim.warmup_steps, optim.muon_momentum_warmup_steps). Each off is the optimizer as before, bitwise;
 each on computes its formula by hand; every parameter is in one group; a resumed run is the same run; XLA
 compiles no more graphs. None changes the model (its forward, FLOPs per token or parameters): causality,
 flops_per_token, active_params and load_for_eval are the model's, untouched."""
@@ -290,6 +291,39 @@ def test_the_stage_factor_reaches_every_groups_lr(tmp_path, builtin_1024):
     t.loader.close()
 
 
+STEP_RAMPS = ("optim.warmup_steps", "optim.muon_momentum_warmup_steps")
+
+
+def test_the_warm_up_counts_steps_and_the_momentum_ramp_full_batches_as_k82s4s():
+    """K82s4: lrm = (step + 1) / 20 for its steps 0-19, then its schedule; momentum 0.85 -> 0.95 over 300 full
+    batches (micro-batches done / per step): a quarter-batch step counts a quarter."""
+    o = cfg_with("optim.warmup=0", "optim.warmup_steps=20", "optim.muon_momentum_warmup=0",
+                 "optim.muon_momentum_warmup_steps=300", "optim.warmdown=0.7", "optim.warmdown_steps=19").optim
+    assert [optim.lr_scale(0.0, o, step) for step in (0, 1, 9, 19)] == [0.05, 0.1, 0.5, 1.0]
+    assert optim.lr_scale(0.2, o, 20) == 1.0 and optim.lr_scale(0.5, o, 20) == 0.7  # then by progress: level 19 - 5
+    assert [optim.muon_momentum(0.9, o, full) for full in (0, 150, 300, 600)] == pytest.approx([0.85, 0.9, 0.95, 0.95])
+    flat = config.flatten(dataclasses.asdict(load_config(SMOKE)))
+    assert all(k in config.RECIPE_NEUTRAL and k in clock.COST_IGNORED and flat[k] == 0 for k in STEP_RAMPS)
+    assert config.recipe(flat, "data") == config.recipe({k: v for k, v in flat.items() if k not in STEP_RAMPS}, "data")
+
+
+def test_the_run_takes_its_lr_by_step_and_its_momentum_by_full_batches(tmp_path, builtin_1024):
+    """A quarter-batch stage: 4 steps are one full batch of the momentum ramp; the warm-up is 4 steps."""
+    stages = "schedule.stages=[{at: 0, batch_tokens: 128}, {at: 0.5}]"
+    t = train.Trainer(load_config(SMOKE, smoke_args(tmp_path, stages, "optim.warmup_steps=4", "optim.warmup=0",
+                                                    "optim.muon_momentum_warmup_steps=2")[2:]))
+    muon, lrs = t.optimizers[0].param_groups[0], []
+    for _ in range(4):
+        t.step(0.0)
+        t.timeline[-1][2] += 1  # the loop's count of the stage's steps (Trainer.tokens)
+        lrs.append(muon["lr"] / muon["peak_lr"])
+    # the warm-up times the quarter batch's LR factor (0.5, the square-root rule); the last step's momentum after
+    # 3 quarter steps, 0.75 of a full batch, of a ramp of 2
+    assert lrs == [0.125, 0.25, 0.375, 0.5] and t.tokens == 512
+    assert muon["momentum"] == pytest.approx(0.85 + 0.1 * 0.75 / 2)
+    t.loader.close()
+
+
 # -- state and graphs ----------------------------------------------------------------------------
 
 def test_resume_with_every_key_on_is_the_uninterrupted_run(tmp_path, builtin_1024):
@@ -346,6 +380,11 @@ def test_every_key_on_xla_compiles_the_same_graphs(tmp_path, builtin_1024):
     (["optim.head_wd=0.01"], "optim.head_wd: the head is the embedding table with model.tie_embeddings=true (its decay "
                              "is optim.weight_decay); expected -1, got 0.01"),
     (["optim.warmdown_steps=-1"], "optim.warmdown_steps: expected >= 0, got -1"),
+    (["optim.warmup=0.1", "optim.warmup_steps=20"], "optim.warmup_steps=20 and optim.warmup=0.1: one ramp, in steps "
+                                                    "or in a fraction of the budget; expected one of them 0"),
+    (["optim.muon_momentum_warmup=0.5", "optim.muon_momentum_warmup_steps=300"],
+     "optim.muon_momentum_warmup_steps=300 and optim.muon_momentum_warmup=0.5: one ramp"),
+    (["optim.warmup_steps=-2"], "optim.warmup_steps: expected >= 0, got -2"),
     (["optim.warmdown_steps=2.5"], "optim.warmdown_steps: expected int, got 2.5"),
     (["optim.warmdown=0", "optim.warmdown_steps=19"], "optim.warmdown_steps: cuts the warm-down into steps, so it needs "
                                                       "optim.warmdown > 0, got 19 steps and optim.warmdown 0.0"),
