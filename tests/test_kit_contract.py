@@ -228,6 +228,11 @@ def bad_task(task, tmp_path, problem):
         (tokenizer / "tokenizer.pkl").write_bytes(pickle.dumps(RunsCode()))
     elif problem == "pickle of a list":
         (tokenizer / "tokenizer.pkl").write_bytes(pickle.dumps([1, 2, 3]))
+    elif problem == "pickle without a state":  # protocol 0's copyreg._reconstructor(Encoding, object, None), no BUILD
+        (tokenizer / "tokenizer.pkl").write_bytes(b"ccopy_reg\n_reconstructor\n(ctiktoken.core\nEncoding\n"
+                                                  b"c__builtin__\nobject\nNtR.")
+    elif problem == "empty validation shard":
+        pq.write_table(pa.table({"text": pa.array([], pa.string())}), folder / "shard_00002.parquet")
     return [f"data.path={folder}", f"data.tokenizer={tokenizer}"]
 
 
@@ -238,13 +243,15 @@ def bad_task(task, tmp_path, problem):
     ("token_bytes length", r"token_bytes.pt"),
     ("pickle runs code", r"tokenizer.pkl.*system"),
     ("pickle of a list", r"tokenizer.pkl"),
+    ("pickle without a state", r"badtok/tokenizer.pkl: an Encoding pickled without its state"),
+    ("empty validation shard", r"bad/shard_00002.parquet: the validation shard has 0 rows; expected"),
 ])
 def test_bad_kit_input_is_named_before_training(tmp_path, kit_task, capsys, problem, message):
     args = [*kit_args(tmp_path, kit_task, "budget.max_steps=2"), *bad_task(kit_task, tmp_path, problem)]
     assert train.main(["--config", str(SMOKE), *args]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and re.search(message, err), err
-    assert not (tmp_path / "ledger.csv").exists()
+    assert err.startswith("error: ") and re.search(message, err) and "Traceback" not in err, err
+    assert not (tmp_path / "ledger.csv").exists() and not list((tmp_path / "bad").rglob("meta.json"))
 
 
 def test_packed_rows_need_a_bos_token(tmp_path, kit_task, capsys):
