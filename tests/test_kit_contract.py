@@ -254,6 +254,22 @@ def test_bad_kit_input_is_named_before_training(tmp_path, kit_task, capsys, prob
     assert not (tmp_path / "ledger.csv").exists() and not list((tmp_path / "bad").rglob("meta.json"))
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["data.path="], re.escape("data.path: expected a folder (not empty)")),
+    ([], re.escape("data.path: data.source=parquet reads the kit's shard_*.parquet files from it, but it is left at "
+                   "base.yaml's 'data/builtin' (the built-in corpus's cache); expected their folder")),  # no data.path
+    (["eval.seq_len=1000000000"], r"eval\.seq_len=1000000000: a validation window is 1000000000 \+ 1 tokens, the "
+                                  r"validation split \(\S+/fineweb_val_000000\.bin\) holds \d+; expected eval\.seq_len < "),
+])
+def test_a_bad_data_key_is_named_before_training(tmp_path, kit_task, capsys, overrides, message):
+    args = [a for a in kit_args(tmp_path, kit_task, "budget.max_steps=2") if not a.startswith("data.path=")]
+    path = [] if overrides == [] else [f"data.path={kit_task / 'data'}"]
+    assert train.main(["--config", str(SMOKE), *args, *path, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert re.search(f"^error: {message}", err, re.M) and "Traceback" not in err, err
+    assert not (tmp_path / "ledger.csv").exists()
+
+
 def test_packed_rows_need_a_bos_token(tmp_path, kit_task, capsys):
     """A tiktoken folder without <|reserved_0|>: data.order=packed cannot start rows with BOS."""
     enc = data.load_tiktoken(kit_task / "tokenizer", VOCAB)
