@@ -76,6 +76,21 @@ def test_bad_input_is_named_before_any_trial(tmp_path, builtin_1024, capsys, spa
     assert message in err and not (tmp_path / "tiny").exists(), err
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("search", {"trials": 3, "space": ["optim.muon_lr"]},
+     "search.space: expected a mapping of at least one key to search, got ['optim.muon_lr']"),
+    ("search", {"trials": 3, "space": SPACE, "confirm": {"seeds": [True, 7]}},
+     "search.confirm.seeds: expected at least two non-negative integers (a paired verdict), got [True, 7]"),
+    ("config", 3, "config: expected the path of a config file, got 3"),
+    ("overrides", [3], "overrides: expected a list of key.sub=value strings, got [3]"),
+])
+def test_a_malformed_search_file_is_named_not_a_traceback(tmp_path, capsys, key, value, message):
+    path = write_search(tmp_path)
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), key: value}))
+    assert sweep.main([str(path), *extra(tmp_path)]) == 2
+    assert f"error: {path}: {message}" in capsys.readouterr().err
+
+
 def test_bad_input_on_the_command_line_is_exit_2_and_one_line(tmp_path, builtin_1024):
     """From the shell (sweep.py as __main__, which search.py imports again as `sweep`) a bad search
     file is the same named error, not a traceback."""
