@@ -158,7 +158,8 @@ def test_a_draw_that_does_not_validate_is_failed_and_not_counted(tmp_path, built
 
 def test_the_confirmation_pairs_the_best_trials_against_the_against_config(tmp_path, builtin_1024, monkeypatch):
     """confirm.against makes the confirmation's base arm that config, with the trials on the search's."""
-    path = write_search(tmp_path, confirm={"best": 1, "seeds": [1, 2], "against": str(ROOT / "configs" / "cpu.yaml")})
+    path = write_search(tmp_path, overrides=["eval.tokens=2048"],  # one of cpu.yaml's windows (eval.seq_len 2048)
+                        confirm={"best": 1, "seeds": [1, 2], "against": str(ROOT / "configs" / "cpu.yaml")})
     worker = search.Worker(search.load(path), extra(tmp_path))
     for number, value in enumerate((1.5, 1.4)):
         worker.study.add_trial(optuna.trial.create_trial(
