@@ -100,7 +100,7 @@ def read(path) -> dict:
         return doc
     if (not isinstance(doc, dict) or doc.get("version") != VERSION or not {"id", "machine", "stages", "baseline"} <= set(doc)
             or not isinstance(doc["stages"], dict) or not all(isinstance(s, dict) for s in doc["stages"].values())
-            or not isinstance(doc.get("method", {}), dict)):
+            or not isinstance(doc.get("method", {}), dict) or not isinstance(doc["baseline"], str)):
         raise ConfigError(f"budget.calibration={path}: not a calibration file of version {VERSION} (see clock.py)")
     check_numbers(path, doc)
     return doc
@@ -194,7 +194,7 @@ def costs(budget, keys: list, here: str, batch_tokens: list):
                           f"again here (python sweep.py SWEEP --calibrate-only)")
     for index, key in enumerate(keys):
         if key not in doc["stages"]:
-            names = ", ".join(stage["name"] for stage in doc["stages"].values())
+            names = ", ".join(str(stage.get("name") or k) for k, stage in doc["stages"].items())  # or keys: made by hand
             raise ConfigError(f"budget.calibration={path} has no stage {index} of this run (cost key {key}); it has "
                               f"{names}: calibrate this config (python sweep.py SWEEP --calibrate-only)")
     scale = budget.reference_step_ms / doc["stages"][doc["baseline"]]["step_ms"] if budget.reference_step_ms else 1.0

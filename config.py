@@ -283,6 +283,7 @@ CHECKS = {
     "run.log_every": positive, "run.profile_steps": non_negative, "data.source": one_of("builtin", "shards", "parquet"),
     "data.tokenizer_kind": one_of(*data.TOKENIZER_KINDS),
     "data.val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"), "data.seq_len": positive,
+    "data.path": (bool, "a folder (not empty): the built-in corpus's cache, the shards' or the parquet files' folder"),
     "data.prefetch": non_negative, "data.order": one_of(*data.ORDERS), "data.row_pool": non_negative,
     "data.row_pool_from": non_negative,
     "model.vocab_size": (lambda v: 2 <= v <= 65536, "in [2, 65536] (uint16 shards)"),
@@ -464,11 +465,17 @@ def validate(cfg: Config):
     if o.batch_tokens % (o.micro_batch * cfg.data.seq_len):
         raise ConfigError(f"optim.batch_tokens ({o.batch_tokens}) must be a multiple of optim.micro_batch * "
                           f"data.seq_len ({o.micro_batch} * {cfg.data.seq_len})")
-    if 0 < cfg.eval.tokens < cfg.data.seq_len:
-        raise ConfigError(f"eval.tokens ({cfg.eval.tokens}) must be 0 (all) or at least data.seq_len ({cfg.data.seq_len})")
-    if cfg.eval.every_seconds and cfg.eval.curve_tokens < cfg.data.seq_len:
-        raise ConfigError(f"eval.curve_tokens ({cfg.eval.curve_tokens}) must be at least data.seq_len "
-                          f"({cfg.data.seq_len}) when eval.every_seconds is set")
+    e, window = cfg.eval, eval_seq_len(cfg)  # evaluation scores whole windows
+    window_key = "eval.seq_len" if e.seq_len else "data.seq_len"
+    if 0 < e.tokens < window:
+        raise ConfigError(f"eval.tokens ({e.tokens}) must be 0 (all) or at least {window_key} ({window})")
+    if e.every_seconds and e.curve_tokens < window:
+        raise ConfigError(f"eval.curve_tokens ({e.curve_tokens}) must be at least {window_key} ({window}) when "
+                          f"eval.every_seconds is set")
+    kit_batch = eval_rows(cfg, e.kit_seq_len) * e.kit_seq_len
+    if cfg.data.tokenizer_kind == "tiktoken" and 0 < e.kit_tokens < kit_batch:
+        raise ConfigError(f"eval.kit_tokens ({e.kit_tokens}) must be 0 (off) or at least one batch of the kit's rows, "
+                          f"{eval_rows(cfg, e.kit_seq_len)} x eval.kit_seq_len ({e.kit_seq_len}) = {kit_batch}")
     r = cfg.mod
     if r.recur and r.granularity not in ("block", "token"):
         raise ConfigError(f"mod.recur: routes a loop's passes by tile or token, so it needs mod.granularity block or "
@@ -510,6 +517,10 @@ def validate(cfg: Config):
         raise ConfigError(f"data.source=parquet reads the kit's text with the kit's tokenizer: expected "
                           f"data.tokenizer_kind=tiktoken and data.tokenizer=<folder with tokenizer.pkl and token_bytes.pt>, "
                           f"got {d.tokenizer_kind} and {d.tokenizer!r}")
+    if d.source != "builtin" and d.path == base_values()["data.path"]:
+        files = "the kit's shard_*.parquet files" if d.source == "parquet" else "fineweb_{train,val}_*.bin shards"
+        raise ConfigError(f"data.path: data.source={d.source} reads {files} from it, but it is left at base.yaml's "
+                          f"{d.path!r} (the built-in corpus's cache); expected their folder")
     if d.val_shard and d.source != "parquet":
         raise ConfigError(f"data.val_shard names a parquet file of data.path: needs data.source=parquet, got {d.source}")
     if d.row_pool and d.order == "shuffle":

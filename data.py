@@ -54,6 +54,7 @@ BOS_TOKEN = "<|reserved_0|>"
 TIKTOKEN_DOC_CHARS = 10_000  # the kit trains its tokenizer on each document's first 10,000 characters
 PACK_BUFFER_DOCS = 1000  # documents the packer chooses among (the kit's buffer_size)
 PACK_REFILL_DOCS = 128  # the kit tops its buffer up in batches of this many documents
+FINGERPRINT_BLOCK = 1 << 20  # bytes of each end of a parquet file its cache's fingerprint reads
 
 
 class DataError(ValueError):
@@ -287,6 +288,9 @@ def _unpickle_encoding(pkl):
     if type(enc) is not checked:
         raise DataError(f"{pkl}: holds a {type(enc).__module__}.{type(enc).__qualname__}, "
                         f"expected a pickled tiktoken Encoding; not a tiktoken tokenizer")
+    if not vars(enc):  # made (copyreg._reconstructor, NEWOBJ) but never given a state: __setstate__ never ran
+        raise DataError(f"{pkl}: an Encoding pickled without its state, expected one with a dict of "
+                        f"{', '.join(sorted(_ENCODING_STATE))}; not a tiktoken tokenizer")
     enc.__class__ = encoding  # the plain class again: same layout, re-pickles as tiktoken.core.Encoding
     return enc
 
@@ -582,6 +586,15 @@ class _Lock:
             self.file.close()  # releases the lock
 
 
+def _read_meta(path):
+    """A prepared folder's meta.json, or {} where it is missing or unreadable (damaged: prepared again)."""
+    try:
+        meta = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def prepare(documents, out_dir, vocab_size, val_fraction, tokenizer=None, progress=True, kind="sentencepiece"):
     """Documents (name, text) -> out_dir/{tokenizer, fineweb_{train,val}_NNNNNN.bin, meta.json}.
     The tokenizer (trained on the train split unless tokenizer names one to copy) is kind
@@ -647,12 +660,11 @@ def prepare_builtin(out_dir, vocab_size, val_fraction, progress=True, kind="sent
     documents = builtin_documents()
     meta_path = Path(out_dir) / "meta.json"
     with _Lock(out_dir):
-        if meta_path.exists():
-            meta = json.loads(meta_path.read_text())
-            if (meta.get("corpus_sha256"), meta.get("vocab_size"), meta.get("val_fraction"), meta.get("prepare_version"),
-                    meta.get("tokenizer_kind", "sentencepiece")) == (
-                    corpus_sha256(documents), vocab_size, val_fraction, PREPARE_VERSION, kind):
-                return {**meta, "tokenizer": _tokenizer_path(out_dir, kind)}  # folder may have moved
+        meta = _read_meta(meta_path)
+        if (meta.get("corpus_sha256"), meta.get("vocab_size"), meta.get("val_fraction"), meta.get("prepare_version"),
+                meta.get("tokenizer_kind", "sentencepiece")) == (
+                corpus_sha256(documents), vocab_size, val_fraction, PREPARE_VERSION, kind):
+            return {**meta, "tokenizer": _tokenizer_path(out_dir, kind)}  # folder may have moved
         return prepare(documents, out_dir, vocab_size, val_fraction, progress=progress, kind=kind)
 
 
@@ -707,14 +719,30 @@ def _parquet_texts(pf, path, rg):
     return texts
 
 
+def _parquet_ends(path, size):
+    """A parquet file's first FINGERPRINT_BLOCK bytes and its last ones, or its whole footer where
+    that is longer (the footer: every row group's row count, offsets, sizes and statistics)."""
+    with open(path, "rb") as f:
+        head = f.read(FINGERPRINT_BLOCK)
+        f.seek(max(size - 8, 0))
+        trailer = f.read()  # the footer's length (4 bytes, little-endian) and PAR1
+        footer = int.from_bytes(trailer[:4], "little") + 8 if trailer[4:] == b"PAR1" else 0
+        f.seek(max(size - max(footer, FINGERPRINT_BLOCK), 0))
+        return head + f.read()
+
+
 def parquet_fingerprint(files, val, tokenizer):
-    """sha256 prefix over each parquet file's name, size and mtime, the val shard's name, the
-    tokenizer's bytes and PREPARE_VERSION: the tokenized cache is reused while it is unchanged."""
+    """sha256 prefix over each parquet file's name, size, mtime and ends (_parquet_ends), the val
+    shard's name, the tokenizer's bytes and PREPARE_VERSION: the tokenized cache is reused while it
+    is unchanged. A few MiB read a file, not all of it: an edit that keeps a file's size, its ends and
+    footer byte for byte (every page's compressed size, the row groups' statistics) and its mtime
+    goes unseen."""
     folder = _tiktoken_folder(tokenizer)
     h = hashlib.sha256(f"aion-parquet:v{PREPARE_VERSION}\0".encode())
     for f in sorted(files):
         st = Path(f).stat()
         h.update(f"{Path(f).name}:{st.st_size}:{st.st_mtime_ns}\0".encode())
+        h.update(hashlib.sha256(_parquet_ends(f, st.st_size)).digest())
     h.update(f"val:{Path(val).name}\0".encode())
     for name in ("tokenizer.pkl", "token_bytes.pt"):
         h.update((folder / name).read_bytes() + b"\0")
@@ -739,11 +767,15 @@ def prepare_parquet(path, tokenizer, vocab_size, val_shard="", out_dir=None, pro
                         f"beside the parquet data") from None
     meta_path = out_dir / "meta.json"
     with _Lock(out_dir):
-        if meta_path.exists():
-            meta = json.loads(meta_path.read_text())
-            if meta.get("fingerprint") == fingerprint:
-                return {**meta, "tokenizer": _tokenizer_path(out_dir, "tiktoken"), "folder": str(out_dir.resolve())}
+        meta = _read_meta(meta_path)
+        if meta.get("fingerprint") == fingerprint:
+            return {**meta, "tokenizer": _tokenizer_path(out_dir, "tiktoken"), "folder": str(out_dir.resolve())}
         opened = {f: _open_parquet(f) for f in [*train_files, val]}  # every file checked before any work
+        if not opened[val].metadata.num_rows:
+            raise DataError(f"{val}: the validation shard has 0 rows; expected the validation text (a row per document)")
+        if not sum(opened[f].metadata.num_rows for f in train_files):
+            raise DataError(f"{path}: the {len(train_files)} training shards ({train_files[0].name} .. "
+                            f"{train_files[-1].name}) have 0 rows; expected the training text (a row per document)")
         for stale in [meta_path, *out_dir.glob("fineweb_*_*.bin")]:
             stale.unlink(missing_ok=True)
         _copy_tiktoken(tokenizer, out_dir)
@@ -763,6 +795,9 @@ def prepare_parquet(path, tokenizer, vocab_size, val_shard="", out_dir=None, pro
                     if progress:
                         _progress(f"tokenize {split} {f.name}", rg + 1, pf.num_row_groups, "row groups")
             counts[split] = writer.close(), writer.n_docs
+            if split == "val" and not text_bytes:
+                raise DataError(f"{val}: the validation shard's {writer.n_docs} rows hold no text (0 bytes); expected "
+                                f"the validation text")
             if split == "val" and text_bytes != token_bytes:
                 raise DataError(f"{val}: the byte table counts {token_bytes} val bytes but the text has {text_bytes}; "
                                 f"expected equal")
@@ -1243,10 +1278,14 @@ def unigram_bpb(data_dir, vocab_size):
     """The order-0 floor: bits per byte of the val targets under the train split's token
     frequencies (add-one smoothed), over the same targets and bytes as val_bpb."""
     data_dir = Path(data_dir)
+    train_files, val_files = split_files(data_dir, "train"), split_files(data_dir, "val")
+    if not train_files or not val_files:
+        raise DataError(f"{data_dir}: {len(train_files)} train and {len(val_files)} val shards; expected "
+                        f"fineweb_train_*.bin and fineweb_val_*.bin (a prepared folder)")
     counts = np.ones(vocab_size, dtype=np.float64)
-    for f in split_files(data_dir, "train"):
+    for f in train_files:
         counts += np.bincount(load_shard(f, vocab_size), minlength=vocab_size)
-    val = np.concatenate([load_shard(f, vocab_size) for f in split_files(data_dir, "val")])
+    val = np.concatenate([load_shard(f, vocab_size) for f in val_files])
     stream = torch.from_numpy(val.astype(np.int64))
     tokenizer = data_dir if (data_dir / "tokenizer.pkl").exists() else data_dir / "tokenizer.model"
     n_bytes = int(ByteTable(tokenizer).target_bytes(stream[:-1], stream[1:]).sum())

@@ -98,12 +98,25 @@ def append(path, row):
                     raise header_error(path, header)
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":  # a row torn by a full disk or a kill: ours starts on a line of its own
-                    line = "\n" + line
+                    line = _end_torn(f, line)
             f.write(line.encode())
             f.flush()
             os.fsync(f.fileno())
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _end_torn(f, line):
+    """`line` prefixed with what ends the torn last row of the ledger open as f: a quote that closes a
+    field it was cut in (else ours would be read into that field), and where the cut left every field
+    (the last one cut short) an empty one more, so that readers still see it torn (read_checked)."""
+    f.seek(0)
+    text = f.read().decode(errors="replace")
+    end = '"' if text.count('"') % 2 else ""  # a quote inside a field is doubled: an odd count is an open field
+    records = list(csv.reader(io.StringIO(text + end)))
+    if len(records) > 1 and len(records[-1]) == len(COLUMNS):
+        end += ","
+    return end + "\n" + line
 
 
 def header_error(path, header):
@@ -127,13 +140,15 @@ def check_header(path):
 
 def read_checked(path, torn=None):
     """-> (rows, problems): the well-formed rows as dicts of strings (empty cells are ""), and one
-    message per torn or malformed row (wrong number of fields, unknown status) with its line number;
-    `torn`, a list, gets (problem, cells) of each. A missing ledger has no rows."""
+    message per torn or malformed row (wrong number of fields, unknown status, a last row without
+    its final newline, as append() sees it) with its line number; `torn`, a list, gets (problem,
+    cells) of each. A missing ledger has no rows."""
     if not os.path.exists(path):
         return [], []
     rows, problems = [], []
     with open(path, newline="") as f:
-        reader = csv.reader(f)
+        text = f.read()
+        reader = csv.reader(io.StringIO(text))
         header = next(reader, [])
         while True:
             line = reader.line_num + 1
@@ -149,6 +164,9 @@ def read_checked(path, torn=None):
             row = dict(zip(header, cells))
             if len(cells) != len(header):
                 problems.append(f"{path} line {line}: {len(cells)} fields, expected {len(header)} (a torn row?)")
+            elif not text.endswith("\n") and reader.line_num == text.count("\n") + 1:  # the last line, unfinished
+                problems.append(f"{path} line {line}: no final newline, expected every row to end with one (a torn "
+                                f"row: its last field may be cut short)")
             elif "status" in row and row["status"] not in STATUSES:
                 problems.append(f"{path} line {line}: status {row['status']!r}, expected one of {', '.join(STATUSES)}")
             else:

@@ -109,6 +109,9 @@ def load(path: Path, doc: dict = None) -> dict:
     for key in ("variants", "grid", "baseline", "seeds"):
         if key in doc:
             raise SearchError(f"{path}: {key}: not part of a search (its trials are sampled; confirm: sets the seeds)")
+    if not isinstance(doc.get("config"), str):
+        raise SearchError(f"{path}: config: expected the path of a config file, got {doc.get('config')!r}")
+    sweeprun.override_list(path, doc.get("overrides") or [], "overrides")
 
     def number(key, value, integer=False, low=None, high=None):
         ok = isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
@@ -142,7 +145,7 @@ def load(path: Path, doc: dict = None) -> dict:
     if not isinstance(confirm, dict) or set(confirm) - {"best", "seeds", "against"}:
         raise SearchError(f"{where}.confirm: expected {{best: N, seeds: [..], against: CONFIG}}, got {confirm!r}")
     seeds = confirm.get("seeds", [1337, 7, 2024])
-    if not isinstance(seeds, list) or len(seeds) < 2 or not all(isinstance(x, int) and x >= 0 for x in seeds):
+    if not sweeprun.seed_list(seeds) or len(seeds) < 2:
         raise SearchError(f"{where}.confirm.seeds: expected at least two non-negative integers (a paired verdict), "
                           f"got {seeds!r}")
     against = confirm.get("against", doc["config"])
@@ -155,9 +158,10 @@ def load(path: Path, doc: dict = None) -> dict:
     templates = s.get("templates") or {}
     if not isinstance(templates, dict):
         raise SearchError(f"{where}.templates: expected a mapping of config key: value with $names, got {templates!r}")
-    space = {name: distribution(f"{where}.space.{name}", value) for name, value in (s.get("space") or {}).items()}
-    if not space:
-        raise SearchError(f"{where}.space: expected at least one key to search")
+    space = s.get("space") or {}
+    if not isinstance(space, dict) or not space:
+        raise SearchError(f"{where}.space: expected a mapping of at least one key to search, got {space!r}")
+    space = {name: distribution(f"{where}.space.{name}", value) for name, value in space.items()}
     enqueue = s.get("enqueue") or []
     if not isinstance(enqueue, list) or not all(isinstance(params, dict) for params in enqueue):
         raise SearchError(f"{where}.enqueue: expected a list of {{name: value}} mappings, got {enqueue!r}")

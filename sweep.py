@@ -66,7 +66,7 @@ import clock
 import kernels
 import train
 from config import ConfigError, load_config
-from sweeprun import Sweep, SweepError, flow, plain_name, read_file
+from sweeprun import Sweep, SweepError, flow, override_list, plain_name, read_file, seed_list
 
 ROOT = Path(__file__).resolve().parent
 
@@ -82,23 +82,19 @@ def load_sweep(path: Path, doc: dict = None) -> dict:
         raise SweepError(f"{path}: clock: expected wall or calibrated, got {doc['clock']!r}")
     name = plain_name(doc.get("name"), f"{path}: name")
     seeds = doc.get("seeds")
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds):
+    if not seed_list(seeds):
         raise SweepError(f"{path}: seeds: expected a list of non-negative integers, got {seeds!r}")
-
-    def overrides(value, key):
-        if not isinstance(value, list) or not all(isinstance(o, str) and "=" in o for o in value):
-            raise SweepError(f"{path}: {key}: expected a list of key.sub=value strings, got {value!r}")
-        return value
-
-    variants, variant_configs = {}, {}
-    for v, value in (doc.get("variants") or {}).items():
+    variants, variant_configs, listed = {}, {}, doc.get("variants") or {}
+    if not isinstance(listed, dict):
+        raise SweepError(f"{path}: variants: expected a mapping of name: [overrides], got {listed!r}")
+    for v, value in listed.items():
         v = plain_name(v, f"{path}: variants")
         if isinstance(value, dict):  # {config: another config file, overrides: [...]}
             if set(value) - {"config", "overrides"} or not isinstance(value.get("config"), str):
                 raise SweepError(f"{path}: variants.{v}: expected a list of overrides or a mapping with config "
                                  f"(a config file) and optional overrides, got {value!r}")
             variant_configs[v], value = value["config"], value.get("overrides") or []
-        variants[v] = overrides(value, f"variants.{v}")
+        variants[v] = override_list(path, value, f"variants.{v}")
     grid = doc.get("grid") or {}
     if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
         raise SweepError(f"{path}: grid: expected a mapping of key.sub: [values], got {grid!r}")
@@ -108,11 +104,11 @@ def load_sweep(path: Path, doc: dict = None) -> dict:
     if not variants:
         raise SweepError(f"{path}: expected at least one variant (variants or grid)")
     baseline = doc.get("baseline", next(iter(variants)))
-    if baseline not in variants:
+    if not isinstance(baseline, str) or baseline not in variants:
         raise SweepError(f"{path}: baseline {baseline!r} is not a variant; expected one of {', '.join(variants)}")
     if not isinstance(doc.get("config"), str):
         raise SweepError(f"{path}: config: expected the path of a config file")
-    return dict(name=name, config=doc["config"], seeds=seeds, overrides=overrides(doc.get("overrides") or [], "overrides"),
+    return dict(name=name, config=doc["config"], seeds=seeds, overrides=override_list(path, doc.get("overrides") or [], "overrides"),
                 baseline=baseline, variants=variants, variant_configs=variant_configs, out=path.parent / name,
                 ablation=False, clock=doc.get("clock", "wall"))
 

@@ -58,6 +58,17 @@ def plain_name(name, what):
     return name
 
 
+def seed_list(value) -> bool:
+    """Whether a sweep's seeds are a non-empty list of non-negative integers (YAML's true is no seed)."""
+    return isinstance(value, list) and bool(value) and all(type(s) is int and s >= 0 for s in value)
+
+
+def override_list(path, value, key) -> list:
+    if not isinstance(value, list) or not all(isinstance(o, str) and "=" in o for o in value):
+        raise SweepError(f"{path}: {key}: expected a list of key.sub=value strings, got {value!r}")
+    return value
+
+
 def read_file(path: Path) -> dict:
     """A sweep (or search) file's YAML mapping."""
     try:

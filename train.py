@@ -1,5 +1,5 @@
 """AION training script: config (config.py) -> backend -> data -> model -> optimizers -> annealing
-stages -> timed loop -> eval -> ledger row and checkpoint. Read top to bottom; line cap 1160.
+stages -> timed loop -> eval -> ledger row and checkpoint. Read top to bottom; line cap 1200.
 
     python train.py --config configs/cpu.yaml [key.sub=value ...]
     torchrun --nproc_per_node N train.py --config ... (data parallel)
@@ -533,8 +533,12 @@ class Trainer:
             raise data.DataError(f"tokenizer {tokenizer} has {self.bytes.vocab_size} tokens but "
                                  f"model.vocab_size is {cfg.model.vocab_size}")
         self.bytes = self.bytes.to(self.device)
-        seq_len = eval_seq_len(cfg)  # headers, token ids, at least one window:
-        next(data.val_batches(self.val_files, seq_len, eval_rows(cfg, seq_len), cfg.model.vocab_size, max_tokens=cfg.eval.tokens), None)
+        seq_len, key = eval_seq_len(cfg), "eval.seq_len" if cfg.eval.seq_len else "data.seq_len"
+        val_tokens = sum(len(data.load_shard(f, cfg.model.vocab_size)) for f in self.val_files)  # headers, token ids
+        if val_tokens <= seq_len:  # not one window (eval.tokens and eval.curve_tokens hold one: config.validate)
+            raise ConfigError(f"{key}={seq_len}: a validation window is {seq_len} + 1 tokens, the validation split "
+                              f"({', '.join(map(str, self.val_files))}) holds {val_tokens}; expected "
+                              f"{f'{key} < {val_tokens} or ' if val_tokens > 1 else ''}more validation text")
         self.stages = resolve_stages(cfg)
         flat = flatten(dataclasses.asdict(cfg))
         self.recipe, self.machine = recipe(flat, self.data_sha), clock.machine(self.backend.accelerator)

@@ -211,6 +211,20 @@ def test_a_calibration_made_elsewhere_is_not_scaled(tmp_path):
         clock.costs(budget, ["k"], clock.machine(), [512])
 
 
+def test_a_calibration_made_by_hand_elsewhere_is_checked_not_a_traceback(tmp_path):
+    """A file written elsewhere, by hand: its stages without names, its baseline not a stage's key."""
+    here, path = clock.machine(), tmp_path / "elsewhere.json"
+    budget = dataclasses.replace(load_config(SMOKE).budget, calibration=str(path))
+    doc = dict(version=clock.VERSION, id="c0ffee000009", machine=here, baseline="k0",
+               stages={"k0": dict(step_ms=10.0, ratio=1.0, se=0.0, round_ms=[10.0])})
+    clock.write(path, doc)
+    with pytest.raises(ConfigError, match=r"has no stage 0 of this run \(cost key k1\); it has k0: calibrate"):
+        clock.costs(budget, ["k1"], here, [512])
+    clock.write(path, {**doc, "baseline": ["k0"]})
+    with pytest.raises(ConfigError, match=f"budget.calibration={path}: not a calibration file of version"):
+        clock.costs(budget, ["k0"], here, [512])
+
+
 def test_a_reference_step_scales_every_cost_by_the_baselines(tmp_path):
     path = calibration(tmp_path, [50.0, 100.0], [TWO_STAGES])
     keys = list(json.loads(path.read_text())["stages"])

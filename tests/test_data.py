@@ -371,6 +371,8 @@ def test_cli_unigram(small, capsys):
     assert result["val_bytes"] == meta["val_bytes"]  # the same denominator as val_bpb
     assert result["unigram_bpb"] == pytest.approx(bits / meta["val_bytes"], rel=1e-9)
     assert "unigram_bpb:" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=f"error: {out.parent}: 0 train and 0 val shards; expected fineweb_train_"):
+        data.main(["unigram", "--data", str(out.parent), "--vocab-size", "300"])  # not a prepared folder
 
 
 def test_manpages_corpus_keeps_the_words_of_a_man_page_and_drops_its_markup():

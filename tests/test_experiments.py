@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 import config
 import ledger
@@ -223,6 +224,18 @@ def test_a_variant_may_start_from_another_config(tmp_path, builtin_1024):
     path.write_text(f"name: s\nconfig: {SMOKE}\nseeds: [1]\nvariants:\n  mod: {{overrides: [a.b=1]}}\n")
     with pytest.raises(sweep.SweepError, match="variants.mod: expected a list of overrides or a mapping with config"):
         sweep.load_sweep(path)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("variants", ["a", "b"], "variants: expected a mapping of name: [overrides], got ['a', 'b']"),
+    ("seeds", [True], "seeds: expected a list of non-negative integers, got [True]"),
+    ("baseline", ["a"], "baseline ['a'] is not a variant; expected one of a"),
+])
+def test_a_malformed_sweep_file_is_named_not_a_traceback(tmp_path, capsys, key, value, message):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "config": str(SMOKE), "seeds": [1], "variants": {"a": []}, key: value}))
+    assert sweep.main([str(path), f"ledger.path={tmp_path / 'ledger.csv'}", f"run.out_dir={tmp_path / 'runs'}"]) == 2
+    assert f"error: {path}: {message}" in capsys.readouterr().err
 
 
 def test_plot_command_writes_pngs(tmp_path, monkeypatch):

@@ -241,7 +241,7 @@ def shards(tmp_path, builtin_1024):
 
 @pytest.mark.parametrize("damage, message", [
     ("id", "token id 1024 found, expected ids < vocab_size 1024"),
-    ("empty", "0 tokens, max_tokens 4096: expected at least one window"),
+    ("empty", "data.seq_len=64: a validation window is 64 + 1 tokens, the validation split ("),
     ("truncated", "truncated: header says 1000 tokens"),
     ("magic", "magic 0, expected"),
 ])

@@ -228,6 +228,11 @@ def bad_task(task, tmp_path, problem):
         (tokenizer / "tokenizer.pkl").write_bytes(pickle.dumps(RunsCode()))
     elif problem == "pickle of a list":
         (tokenizer / "tokenizer.pkl").write_bytes(pickle.dumps([1, 2, 3]))
+    elif problem == "pickle without a state":  # protocol 0's copyreg._reconstructor(Encoding, object, None), no BUILD
+        (tokenizer / "tokenizer.pkl").write_bytes(b"ccopy_reg\n_reconstructor\n(ctiktoken.core\nEncoding\n"
+                                                  b"c__builtin__\nobject\nNtR.")
+    elif problem == "empty validation shard":
+        pq.write_table(pa.table({"text": pa.array([], pa.string())}), folder / "shard_00002.parquet")
     return [f"data.path={folder}", f"data.tokenizer={tokenizer}"]
 
 
@@ -238,12 +243,30 @@ def bad_task(task, tmp_path, problem):
     ("token_bytes length", r"token_bytes.pt"),
     ("pickle runs code", r"tokenizer.pkl.*system"),
     ("pickle of a list", r"tokenizer.pkl"),
+    ("pickle without a state", r"badtok/tokenizer.pkl: an Encoding pickled without its state"),
+    ("empty validation shard", r"bad/shard_00002.parquet: the validation shard has 0 rows; expected"),
 ])
 def test_bad_kit_input_is_named_before_training(tmp_path, kit_task, capsys, problem, message):
     args = [*kit_args(tmp_path, kit_task, "budget.max_steps=2"), *bad_task(kit_task, tmp_path, problem)]
     assert train.main(["--config", str(SMOKE), *args]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and re.search(message, err), err
+    assert err.startswith("error: ") and re.search(message, err) and "Traceback" not in err, err
+    assert not (tmp_path / "ledger.csv").exists() and not list((tmp_path / "bad").rglob("meta.json"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.path="], re.escape("data.path: expected a folder (not empty)")),
+    ([], re.escape("data.path: data.source=parquet reads the kit's shard_*.parquet files from it, but it is left at "
+                   "base.yaml's 'data/builtin' (the built-in corpus's cache); expected their folder")),  # no data.path
+    (["eval.seq_len=1000000000"], r"eval\.seq_len=1000000000: a validation window is 1000000000 \+ 1 tokens, the "
+                                  r"validation split \(\S+/fineweb_val_000000\.bin\) holds \d+; expected eval\.seq_len < "),
+])
+def test_a_bad_data_key_is_named_before_training(tmp_path, kit_task, capsys, overrides, message):
+    args = [a for a in kit_args(tmp_path, kit_task, "budget.max_steps=2") if not a.startswith("data.path=")]
+    path = [] if overrides == [] else [f"data.path={kit_task / 'data'}"]
+    assert train.main(["--config", str(SMOKE), *args, *path, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert re.search(f"^error: {message}", err, re.M) and "Traceback" not in err, err
     assert not (tmp_path / "ledger.csv").exists()
 
 

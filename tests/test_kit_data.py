@@ -103,6 +103,20 @@ def test_unpickler_refuses_what_is_not_an_encoding(tmp_path, tok):
     assert "not a pickled tiktoken Encoding" in error_of(data.load_tiktoken, folder_with(tmp_path, b"garbage", tok))
 
 
+# an Encoding its pickle makes and never gives a state (no BUILD): protocol 0's copyreg._reconstructor(Encoding,
+# object, None), and protocol 2's NEWOBJ; written opcode by opcode
+NO_STATE = [b"ccopy_reg\n_reconstructor\n(ctiktoken.core\nEncoding\nc__builtin__\nobject\nNtR.",
+            b"\x80\x02ctiktoken.core\nEncoding\n)\x81."]
+
+
+@pytest.mark.parametrize("pkl", NO_STATE, ids=["reconstructor", "newobj"])
+def test_an_encoding_pickled_without_its_state_is_refused(tmp_path, tok, pkl):
+    folder = folder_with(tmp_path, pkl, tok)
+    message = error_of(data.load_tiktoken, folder, VOCAB)
+    assert f"{folder / 'tokenizer.pkl'}: an Encoding pickled without its state, expected one with a dict of" in message
+    assert "without its state" in error_of(data.ByteTable, folder)
+
+
 def test_every_pickle_protocol_of_an_encoding_loads(tmp_path, tok):
     enc = data.load_tiktoken(tok, VOCAB)
     for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
@@ -220,11 +234,11 @@ def test_builtin_tiktoken_folder_and_cache(tmp_path, monkeypatch):
 # parquet
 
 
-def write_parquet(folder, texts_per_file, row_group_size=7):
+def write_parquet(folder, texts_per_file, row_group_size=7, **kwargs):
     folder.mkdir(parents=True, exist_ok=True)
     for i, texts in enumerate(texts_per_file):
-        pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), folder / f"shard_{i:05d}.parquet",
-                       row_group_size=row_group_size)
+        pq.write_table(pa.table({"id": list(range(len(texts))), "text": pa.array(texts, pa.string())}),
+                       folder / f"shard_{i:05d}.parquet", row_group_size=row_group_size, **kwargs)
     return sorted(folder.glob("shard_*.parquet"))
 
 
@@ -266,6 +280,65 @@ def test_parquet_tokenized_once_in_file_and_row_order(tmp_path, tok):
     assert rebuilt[3] != fingerprint and (tmp_path / "pq" / "aion_tokens" / rebuilt[3] / "meta.json").exists()
     os.utime(tmp_path / "pq" / "shard_00001.parquet", ns=(1, 1))
     assert data.open_data("parquet", tmp_path / "pq", str(tok), VOCAB, 0.3)[3] not in (fingerprint, rebuilt[3])
+
+
+def test_a_parquet_shard_edited_in_place_is_tokenized_again(tmp_path, tok):
+    """Same size, its mtime restored (as cp -p, rsync -t or tar x leave it): the fingerprint reads the file's ends."""
+    texts = parquet_texts()
+    files = write_parquet(tmp_path / "pq", texts, compression="none")
+    first = data.open_data("parquet", tmp_path / "pq", str(tok), VOCAB, 0.3)
+    stat = files[1].stat()
+    texts[1][5] = texts[1][5].replace("a", "o", 1)  # one byte for another: the same size, uncompressed
+    assert texts[1][5] != parquet_texts()[1][5]
+    files[1].write_bytes(write_parquet(tmp_path / "edited", texts, compression="none")[1].read_bytes())
+    os.utime(files[1], ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert files[1].stat().st_size == stat.st_size and files[1].stat().st_mtime_ns == stat.st_mtime_ns
+    again = data.open_data("parquet", tmp_path / "pq", str(tok), VOCAB, 0.3)
+    enc = data.load_tiktoken(tok, VOCAB)
+    stream = np.concatenate([data.load_shard(f, VOCAB) for f in again[0]]).tolist()
+    assert again[3] != first[3] and stream == [t for text in texts[0] + texts[1]
+                                               for t in [data.tiktoken_bos(enc), *enc.encode_ordinary(text)]]
+
+
+def test_the_fingerprint_reads_a_parquet_footer_longer_than_its_block(tmp_path, tok, monkeypatch):
+    """Two files alike but for their footers' metadata (same size): seen though the last block holds none of it."""
+    a, b = tmp_path / "a" / "shard_00000.parquet", tmp_path / "b" / "shard_00000.parquet"
+    for path, value in ((a, b"1"), (b, b"2")):
+        path.parent.mkdir()
+        table = pa.table({"text": ["x"] * 5}).replace_schema_metadata({b"source": value})
+        pq.write_table(table, path, compression="none")
+        os.utime(path, ns=(10**18, 10**18))  # the same time
+    block = 16
+    assert a.stat().st_size == b.stat().st_size and a.read_bytes()[:block] == b.read_bytes()[:block]
+    assert a.read_bytes()[-block:] == b.read_bytes()[-block:] and a.read_bytes() != b.read_bytes()
+    monkeypatch.setattr(data, "FINGERPRINT_BLOCK", block)
+    assert data.parquet_fingerprint([a], a, tok) != data.parquet_fingerprint([b], b, tok)
+
+
+@pytest.mark.parametrize("empty, message", [
+    ("val rows", "{val}: the validation shard has 0 rows; expected the validation text"),
+    ("train rows", "the 2 training shards (shard_00000.parquet .. shard_00001.parquet) have 0 rows; expected"),
+    ("val text", "{val}: the validation shard's 3 rows hold no text (0 bytes); expected the validation text"),
+])
+def test_an_empty_split_is_named_and_leaves_no_metadata(tmp_path, tok, empty, message):
+    texts = parquet_texts()
+    if empty == "train rows":
+        texts[0] = texts[1] = []
+    else:
+        texts[2] = [] if empty == "val rows" else ["", "", ""]
+    files = write_parquet(tmp_path / "pq", texts)
+    assert message.format(val=files[2]) in error_of(data.open_data, "parquet", tmp_path / "pq", str(tok), VOCAB, 0.3)
+    assert not list((tmp_path / "pq").rglob("meta.json"))
+
+
+def test_a_damaged_cache_meta_is_prepared_again(tmp_path, tok):
+    write_parquet(tmp_path / "pq", parquet_texts(2))
+    fingerprint = data.open_data("parquet", tmp_path / "pq", str(tok), VOCAB, 0.3)[3]
+    meta = tmp_path / "pq" / "aion_tokens" / fingerprint / "meta.json"
+    whole = meta.read_text()
+    meta.write_text(whole[:len(whole) // 2])  # cut short
+    assert data.open_data("parquet", tmp_path / "pq", str(tok), VOCAB, 0.3)[3] == fingerprint
+    assert json.loads(meta.read_text())["fingerprint"] == fingerprint
 
 
 def test_parquet_ranks_tokenize_once_together(tmp_path, tok):

@@ -249,7 +249,7 @@ def test_a_failed_run_is_named_and_recorded(tmp_path, monkeypatch, capsys):
     assert lineage_run.main(args) == 1
     assert torch.get_num_threads() == threads  # --threads is the script's: this process (pytest's) keeps its own
     out, err = capsys.readouterr()
-    assert f"saw 4 {threads} 20.0 8192 {dtype}" in out and f"error: the script exited with code 3; its last lines:\nsaw 4" in err
+    assert f"saw 4 {threads} 20.0 8192 {dtype}" in out and "error: the script exited with code 3; its last lines:\nsaw 4" in err
     assert lineage_run.main(args + ["--dtype", "script", "--threads", "1"]) == 1
     assert "saw 4 1 20.0 8192 torch.float32" in capsys.readouterr().out
     monkeypatch.setenv("EXIT", "0")

@@ -173,6 +173,28 @@ def test_merge_keeps_each_run_once_and_sets_torn_rows_apart(tmp_path, capsys):
     assert "paired t-test on the per-seed differences, seeds 1, 2, 3" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("notes", ["cut short", "cut, short"])  # the last field plain, or quoted (it holds a comma)
+def test_a_last_row_cut_in_its_last_field_is_set_apart_and_stays_torn(tmp_path, capsys, notes):
+    """`head -c -6 ledger.csv`: every field there, the final newline and the notes' end gone."""
+    a, _ = host_ledgers(tmp_path)
+    ledger.append(a, run_row("a4", notes=f"the whole note: {notes}"))
+    cut = tmp_path / "cut.csv"
+    cut.write_bytes(a.read_bytes()[:-6])
+    out = tmp_path / "ledger.csv"
+    assert ledger.main(["merge", str(cut), "--out", str(out)]) == 0
+    assert [r["run_id"] for r in ledger.read(out)] == ["a1", "a2", "a3"]
+    problem = f"{cut} line 5: no final newline, expected every row to end with one"
+    assert f"warning: set apart in {tmp_path / 'ledger.torn.csv'}: {problem}" in capsys.readouterr().err
+    with open(tmp_path / "ledger.torn.csv", newline="") as f:
+        _, (reason, *cells) = csv.reader(f)
+    assert reason.startswith(problem) and len(cells) == len(ledger.COLUMNS) and cells[1] == "a4"
+    # the next run's row starts on a line of its own, and the cut one still reads as torn
+    ledger.append(cut, run_row("a5"))
+    rows, problems = ledger.read_checked(cut)
+    assert [r["run_id"] for r in rows] == ["a1", "a2", "a3", "a5"]
+    assert problems == [f"{cut} line 5: {len(ledger.COLUMNS) + 1} fields, expected {len(ledger.COLUMNS)} (a torn row?)"]
+
+
 def test_merge_refuses_a_run_with_two_different_rows_another_schema_and_an_existing_out(tmp_path, capsys):
     a, b = host_ledgers(tmp_path)
     changed = tmp_path / "changed.csv"

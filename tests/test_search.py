@@ -77,6 +77,21 @@ def test_bad_input_is_named_before_any_trial(tmp_path, builtin_1024, capsys, spa
     assert message in err and not (tmp_path / "tiny").exists(), err
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("search", {"trials": 3, "space": ["optim.muon_lr"]},
+     "search.space: expected a mapping of at least one key to search, got ['optim.muon_lr']"),
+    ("search", {"trials": 3, "space": SPACE, "confirm": {"seeds": [True, 7]}},
+     "search.confirm.seeds: expected at least two non-negative integers (a paired verdict), got [True, 7]"),
+    ("config", 3, "config: expected the path of a config file, got 3"),
+    ("overrides", [3], "overrides: expected a list of key.sub=value strings, got [3]"),
+])
+def test_a_malformed_search_file_is_named_not_a_traceback(tmp_path, capsys, key, value, message):
+    path = write_search(tmp_path)
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), key: value}))
+    assert sweep.main([str(path), *extra(tmp_path)]) == 2
+    assert f"error: {path}: {message}" in capsys.readouterr().err
+
+
 def test_bad_input_on_the_command_line_is_exit_2_and_one_line(tmp_path, builtin_1024):
     """From the shell (sweep.py as __main__, its main() catching sweeprun's SweepError, which search.py's
     SearchError subclasses) a bad search file is the same named error, not a traceback."""
@@ -144,7 +159,8 @@ def test_a_draw_that_does_not_validate_is_failed_and_not_counted(tmp_path, built
 
 def test_the_confirmation_pairs_the_best_trials_against_the_against_config(tmp_path, builtin_1024, monkeypatch):
     """confirm.against makes the confirmation's base arm that config, with the trials on the search's."""
-    path = write_search(tmp_path, confirm={"best": 1, "seeds": [1, 2], "against": str(ROOT / "configs" / "cpu.yaml")})
+    path = write_search(tmp_path, overrides=["eval.tokens=2048"],  # one of cpu.yaml's windows (eval.seq_len 2048)
+                        confirm={"best": 1, "seeds": [1, 2], "against": str(ROOT / "configs" / "cpu.yaml")})
     worker = search.Worker(search.load(path), extra(tmp_path))
     for number, value in enumerate((1.5, 1.4)):
         worker.study.add_trial(optuna.trial.create_trial(

@@ -32,6 +32,14 @@ SMOKE = ROOT / "configs" / "smoke.yaml"
     ("model.n_kv_head=3", "n_kv_head (3) must divide n_head"),
     ("model", "override 'model': expected key.sub=value"),
     ("eval.tokens=10", "eval.tokens (10) must be 0 (all) or at least data.seq_len (64)"),
+    ("eval.seq_len=128 eval.tokens=100", "eval.tokens (100) must be 0 (all) or at least eval.seq_len (128)"),
+    ("eval.seq_len=128 eval.every_seconds=10 eval.curve_tokens=100",
+     "eval.curve_tokens (100) must be at least eval.seq_len (128) when eval.every_seconds is set"),
+    ("data.tokenizer_kind=tiktoken eval.kit_tokens=100", "eval.kit_tokens (100) must be 0 (off) or at least one batch "
+                                                         "of the kit's rows, 1 x eval.kit_seq_len (2048) = 2048"),
+    ("data.path=", "data.path: expected a folder (not empty)"),
+    ("data.source=shards data.tokenizer=sp.model", "data.path: data.source=shards reads fineweb_{train,val}_*.bin "
+                                                   "shards from it, but it is left at base.yaml's 'data/builtin'"),
     ("model.n_layer.x=1", "model.n_layer: expected int, got {'x': 1}"),
     ("mod.granularity=tiles", "mod.granularity: expected one of none | block | token | layer | microbatch, got 'tiles'"),
     ("mod.capacity=0", "mod.capacity: expected in (0, 1], got 0.0"),
