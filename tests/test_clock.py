@@ -161,7 +161,7 @@ def test_a_calibrations_numbers_are_checked_before_training(tmp_path, builtin_10
     assert not (tmp_path / "runs").exists() and not (tmp_path / "ledger.csv").exists()
 
 
-BATCH_RAMP = "schedule.stages=[{at: 0, batch_tokens: 256}, {at: 0.5}]"  # half the batch, then smoke's 512 tokens
+BATCH_RAMP = "schedule.stages=[{at: 0, batch_tokens: 256}, {at: 0.5, batch_tokens: 512}]"  # half the batch, then all
 
 
 def made_elsewhere(tmp_path, step_ms, **fields):
@@ -196,7 +196,8 @@ def test_a_calibration_made_elsewhere_gives_the_steps_its_costs_set(tmp_path, bu
     (dict(step_ms={"512": 62.5}), " has no step_ms for 256 tokens per step (this run's stages); it has 512"),
 ])
 def test_a_calibration_made_elsewhere_is_checked_before_training(tmp_path, builtin_1024, capsys, fields, message):
-    path = made_elsewhere(tmp_path, {"256": 31.25, "512": 62.5}, **fields)
+    fields = dict(fields)
+    path = made_elsewhere(tmp_path, fields.pop("step_ms", {"256": 31.25, "512": 62.5}), **fields)
     assert train.main(["--config", str(SMOKE), *args(tmp_path, "budget.clock=calibrated", f"budget.calibration={path}",
                                                     BATCH_RAMP)]) == 2
     assert f"budget.calibration={path}{message}" in capsys.readouterr().err
