@@ -1066,7 +1066,9 @@ class TrainLoader:
       loader resumes exactly, and one of another batch shape carries on with the same buffer.
     - replay: the one file's rows of seq_len + 1 tokens, back to back, in order (rows another program
       trained on, recorded): each step the world takes the next world_size * batch_size of them and rank
-      r the r-th batch_size; past the last row, DataError (a replay is exact or it is not one).
+      r the r-th batch_size. A step that does not fit in the rows left starts again at the first (epoch
+      + 1), as the stream orders do: the trainer reads a step ahead of the one it trains, so the recording
+      must hold only the rows trained on; a run whose epoch passes 0 trained past the recording.
 
     Either way ranks are disjoint; for contiguous and shuffle the position (`state_dict`) counts
     tokens, so a loader with another batch shape (an annealing stage) carries on from the same
@@ -1140,8 +1142,7 @@ class TrainLoader:
         _, pos, epoch = self._cursor
         row, rows = self.seq_len + 1, self.world_size * self.batch_size
         if pos + rows * row > len(self.shards[0]):
-            raise DataError(f"{self.files[0]}: its {len(self.shards[0]) // row} rows of {row} tokens are used up at row "
-                            f"{pos // row}; expected a replay of at least the rows the run trains on (data.replay)")
+            pos, epoch = 0, epoch + 1
         start = pos + self.rank * self.batch_size * row
         buf = torch.from_numpy(self.shards[0][start:start + self.batch_size * row].astype(np.int64)).view(-1, row)
         self._cursor = (0, pos + rows * row, epoch)
