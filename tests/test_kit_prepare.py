@@ -301,6 +301,10 @@ def test_the_virtual_clock_charges_each_step_after_the_startup(tmp_path):
         env["AION_KIT_STEP_SECONDS"] = bad
         run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
         assert run.returncode == 1 and f"AION_KIT_STEP_SECONDS={bad}: expected the charged seconds of one step" in run.stderr
+    env["AION_KIT_STEP_SECONDS"] = "0.25"  # a script without `time` would run on the real clock: refused
+    script.write_text("import prepare\n")
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
+    assert run.returncode == 1 and "has no `time` module yet to charge by steps" in run.stderr
 
 
 def test_equal_steps_need_a_clock_made_elsewhere_and_steps(tmp_path, capsys):

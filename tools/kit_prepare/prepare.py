@@ -174,10 +174,12 @@ def _virtual_clock():
         raise ValueError(f"AION_KIT_STEP_SECONDS={value}: expected the charged seconds of one step, a finite number > 0")
     clock = _VirtualClock(step_s)
     script = sys.modules.get("__main__")
-    if script is not None and getattr(script, "time", None) is time:
-        virtual = type(time)("time", "the time module, monotonic() charged by steps (prepare.py's virtual clock)")
-        virtual.__dict__.update({k: v for k, v in vars(time).items() if not k.startswith("__")}, monotonic=clock.monotonic)
-        script.time = virtual
+    if getattr(script, "time", None) is not time:
+        raise ValueError(f"AION_KIT_STEP_SECONDS={value}: the script run (__main__) has no `time` module yet to charge "
+                         f"by steps; expected `import time` before `from prepare import ...`, as K82s4's")
+    virtual = type(time)("time", "the time module, monotonic() charged by steps (prepare.py's virtual clock)")
+    virtual.__dict__.update({k: v for k, v in vars(time).items() if not k.startswith("__")}, monotonic=clock.monotonic)
+    script.time = virtual
     return clock
 
 
