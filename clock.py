@@ -59,7 +59,8 @@ COST_IGNORED = ("optim.muon_lr", "optim.muon_momentum", "optim.muon_momentum_sta
                 "optim.weight_decay", "optim.head_wd", "optim.warmup", "optim.warmdown", "optim.warmdown_steps",
                 "optim.lr_floor", "model.qk_gain_init", "model.embed_init_std", "model.rope_base",
                 "model.attn_gate_scale", "model.leaky_slope", "data.row_pool", "data.row_pool_from",
-                "optim.ema_blend", "optim.ema_prewarm", "optim.mtp_until")
+                "optim.ema_blend", "optim.ema_prewarm", "optim.mtp_until", "optim.mtp_levels", "optim.embed_betas",
+                "optim.head_betas", "optim.scalar_betas", "model.x0_init", "model.head_init_std", "model.mlp_in_init")
 
 
 def machine(accelerator="") -> str:

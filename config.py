@@ -71,7 +71,11 @@ class ModelConfig:
     qk_gain_init: float
     embed_init_std: float
     value_embed: bool
+    value_embed_ends: bool
     x0_shortcut: bool
+    x0_init: float
+    head_init_std: float
+    mlp_in_init: float
     bigram_buckets: int
     unet: bool
     parallel_layers: int
@@ -117,12 +121,16 @@ class OptimConfig:
     muon_wd: float
     muon_wd_cautious: bool
     normuon_beta2: float
+    muon_bf16: bool
     mlp_proj_lr: float
     embed_lr: float
     head_lr: float
     scalar_lr: float
     beta1: float
     beta2: float
+    embed_betas: tuple
+    head_betas: tuple
+    scalar_betas: tuple
     weight_decay: float
     head_wd: float
     warmup: float
@@ -137,6 +145,7 @@ class OptimConfig:
     ema_prewarm: bool
     mtp_weights: tuple
     mtp_until: tuple
+    mtp_levels: int
     mask_bos_targets: bool
 
 
@@ -306,6 +315,10 @@ CHECKS = {
     "optim.ema": (lambda v: 0 <= v < 1, "in [0, 1)"), "optim.ema_every": positive, "optim.ema_blend": fraction,
     "optim.mtp_weights": (lambda v: all(number(w) and w >= 0 for w in v), "a list of numbers >= 0"),
     "optim.mtp_until": (lambda v: all(number(u) and 0 < u <= 1 for u in v), "a list of numbers in (0, 1]"),
+    **{f"optim.{group}_betas": (lambda v: len(v) in (0, 2) and all(number(b) and 0 <= b < 1 for b in v),
+                                "[] (= [optim.beta1, optim.beta2]) or two numbers in [0, 1)")
+       for group in ("embed", "head", "scalar")},
+    "optim.mtp_levels": non_negative, "model.head_init_std": non_negative, "model.mlp_in_init": positive,
     "optim.muon_ns_steps": positive, "optim.embed_lr": non_negative, "optim.head_lr": non_negative,
     "optim.scalar_lr": non_negative, "optim.beta1": fraction, "optim.beta2": fraction,
     "optim.weight_decay": non_negative, "optim.warmup": fraction, "optim.warmdown": fraction,
@@ -447,6 +460,13 @@ def validate(cfg: Config):
     if m.parallel_lanes == 2 and cfg.mod.granularity != "none":
         raise ConfigError(f"model.parallel_lanes=2: two residual lanes are not routed; expected mod.granularity=none, "
                           f"got {cfg.mod.granularity}")
+    for key, value, needs in (("value_embed_ends", m.value_embed_ends, "value_embed"),
+                              ("x0_init", m.x0_init, "x0_shortcut")):
+        if value and not getattr(m, needs):
+            raise ConfigError(f"model.{key}={value}: changes model.{needs}, so it needs model.{needs}=true")
+    if (o.head_betas or m.head_init_std) and m.tie_embeddings:
+        raise ConfigError(f"optim.head_betas={list(o.head_betas)}, model.head_init_std={m.head_init_std}: the untied "
+                          f"head's; with model.tie_embeddings=true there is none (expected [] and 0)")
     if o.head_wd >= 0 and m.tie_embeddings:
         raise ConfigError(f"optim.head_wd: the head is the embedding table with model.tie_embeddings=true (its decay is "
                           f"optim.weight_decay); expected -1, got {o.head_wd}")
@@ -629,6 +649,9 @@ def resolve_stages(cfg: Config) -> tuple:
              f"depth: schedule.grow_init=copy copies active layers, so a stage at most doubles the depth "
              f"({previous.depth} before it)"),
             (copy and cfg.schedule.grow_depth != "append", "depth: schedule.grow_init=copy needs schedule.grow_depth=append"),
+            (n > 0 and stage.depth > previous.depth and m.x0_init,
+             f"depth: a block entering with model.x0_init={m.x0_init} adds x0 and changes the function; growing depth "
+             f"needs model.x0_init 0"),
             (stage.seq_len <= 0 or stage.batch_tokens <= 0 or rows != int(rows) or rows < 1,
              f"seq_len, batch_tokens: the micro-batch's sequences, optim.micro_batch * data.seq_len * batch_tokens / "
              f"(optim.batch_tokens * seq_len) = {cfg.optim.micro_batch} * {cfg.data.seq_len} * {stage.batch_tokens} / "
@@ -726,7 +749,9 @@ RECIPE_IGNORED = frozenset([
 
 # Keys added after runs were recorded. At its configs/base.yaml value (where each changes nothing) such a
 # key is left out of the hash, so a config that does not use it keeps the recipe its earlier rows have.
-RECIPE_NEUTRAL = ("model.value_embed", "model.x0_shortcut", "model.bigram_buckets", "model.unet",
+RECIPE_NEUTRAL = ("model.value_embed", "model.value_embed_ends", "model.x0_shortcut", "model.x0_init",
+                  "model.head_init_std", "model.mlp_in_init", "optim.muon_bf16", "optim.embed_betas", "optim.head_betas",
+                  "optim.scalar_betas", "optim.mtp_levels", "model.bigram_buckets", "model.unet",
                   "model.parallel_layers", "optim.ema", "model.doc_mask", "model.smear_gate", "model.gate_window",
                   "model.attn_gate", "model.attn_gate_scale", "model.rope_fraction", "model.ln_scale",
                   "model.skip_gates", "model.xsa_layers", "model.parallel_lanes", "optim.muon_ns",

@@ -93,8 +93,13 @@ class Attention(nn.Module):
             self.register_buffer("slow", slow_pairs(cfg, seq_len).repeat(2), persistent=False)
         else:
             self.slow = None
-        if value_embed:  # learned weight of the value embedding added to v (modded-nanogpt's lambda)
-            self.ve_gate = nn.Parameter(torch.ones(()))
+        # The learned weight of the value embedding added to v (modded-nanogpt's lambda); model.value_embed_ends:
+        # the lineage's a * v + b * ve, both from 0.5 (K82s4's ve_a and ve_b), one ve per query head.
+        self.ve_ends = value_embed and cfg.value_embed_ends
+        if value_embed:
+            self.ve_gate = nn.Parameter(torch.full((), 0.5 if self.ve_ends else 1.0))
+        if self.ve_ends:
+            self.ve_keep = nn.Parameter(torch.full((), 0.5))
         # model.attn_gate: each head's output times sigmoid(scale * w_h . x[:width]) of the attention's
         # input x, w zero-initialised (every gate 0.5 at the start); dense reads all of x, sparse
         # its first gate_window dimensions (parameter-golf records 2026-04-19 and 2026-04-23).
@@ -111,7 +116,11 @@ class Attention(nn.Module):
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k, v = self.c_kv(x).view(B, T, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, K, T, D)
-        if ve is not None:
+        if ve is not None and self.ve_ends:  # a value per query head: keys and values widened to every head
+            group = self.n_head // self.n_kv_head
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            v = self.ve_keep * v + self.ve_gate * ve.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        elif ve is not None:
             v = v + self.ve_gate * ve.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         cos, sin = self.rotary(q, pos)
         q, k = self.kernels.qk_norm_rope(q, cos, sin, self.q_gain), self.kernels.qk_norm_rope(k, cos, sin)
@@ -123,13 +132,13 @@ class Attention(nn.Module):
         if self.float32_core:
             with torch.autocast(x.device.type, enabled=False):
                 y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=mask is None,
-                                                   enable_gqa=self.n_kv_head != self.n_head).to(v.dtype)
+                                                   enable_gqa=k.size(1) != self.n_head).to(v.dtype)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                               enable_gqa=self.n_kv_head != self.n_head)
+                                               enable_gqa=k.size(1) != self.n_head)
         if self.xsa:  # XSA (parameter-golf records from 2026-03-20): drop each output's component along its own value
-            heads = y.view(B, self.n_kv_head, self.n_head // self.n_kv_head, T, self.head_dim)
-            unit = F.normalize(v, dim=-1)[:, :, None]  # (B, K, 1, T, D)
+            heads = y.view(B, v.size(1), self.n_head // v.size(1), T, self.head_dim)
+            unit = F.normalize(v, dim=-1)[:, :, None]  # (B, K, 1, T, D), or K = H with value_embed_ends
             y = (heads - (heads * unit).sum(-1, keepdim=True) * unit).view_as(y)
         if self.gate is not None:
             gate = torch.sigmoid(self.gate_scale * F.linear(x[..., :self.gate.size(1)], self.gate))  # (B, T, H)
@@ -192,7 +201,7 @@ class Block(nn.Module):
         self.norm_scale = 1 / math.sqrt(index + 1) if cfg.ln_scale else None
         # The learned scalars of GPT.block_input, one set per block (so they move with it).
         if cfg.x0_shortcut:
-            self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0]))  # (residual, embedding): starts as x
+            self.x0_mix = nn.Parameter(torch.tensor([1.0, cfg.x0_init]))  # (residual, embedding): x at x0_init 0
         if cfg.bigram_buckets:
             self.bigram_scale = nn.Parameter(torch.ones(()))
         if cfg.unet:
@@ -380,11 +389,14 @@ class GPT(nn.Module):
         assert all(0 <= i < cfg.n_layer for i in self.routed), (self.routed, cfg.n_layer)
         self.aux_weight = 0.0 if mod is None else mod.aux_weight
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.ve_layers = {i for i in range(cfg.n_layer) if cfg.value_embed and i % 2 == (cfg.n_layer - 1) % 2}
-        kv_dim = cfg.n_kv_head * (cfg.n_embd // cfg.n_head)
+        if cfg.value_embed_ends:  # the lineage's: one n_embd-wide table, the first and the last layer
+            self.ve_layers, ve_dim = {0, cfg.n_layer - 1}, cfg.n_embd
+        else:
+            self.ve_layers = {i for i in range(cfg.n_layer) if cfg.value_embed and i % 2 == (cfg.n_layer - 1) % 2}
+            ve_dim = cfg.n_kv_head * (cfg.n_embd // cfg.n_head)
         # Tables as plain parameters: an nn.Embedding would draw its own init from the RNG and so
         # change every other initial weight (reset_parameters initialises them last).
-        self.value_embed = nn.Parameter(torch.empty(cfg.vocab_size, kv_dim)) if cfg.value_embed else None
+        self.value_embed = nn.Parameter(torch.empty(cfg.vocab_size, ve_dim)) if cfg.value_embed else None
         self.bigram = nn.Parameter(torch.empty(cfg.bigram_buckets, cfg.n_embd)) if cfg.bigram_buckets else None
         self.blocks = nn.ModuleList(Block(cfg, self.kernels, i in self.ve_layers, i, seq_len) for i in range(cfg.n_layer))
         # model.smear_gate (SmearGate, parameter-golf records from 2026-04-16): each token's embedding plus
@@ -419,12 +431,14 @@ class GPT(nn.Module):
     def reset_parameters(self):
         # Tied embeddings double as the output layer, so they start small (logits near uniform).
         nn.init.normal_(self.wte.weight, std=self.cfg.embed_init_std)
+        mlp_inputs = {block.mlp.c_fc for block in self.blocks}
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 if getattr(m, "zero_init", False) or m is self.lm_head:
                     nn.init.zeros_(m.weight)  # each residual branch and the head start as no-ops
                 else:
-                    nn.init.normal_(m.weight, std=m.in_features ** -0.5)
+                    scale = self.cfg.mlp_in_init if m in mlp_inputs else 1.0
+                    nn.init.normal_(m.weight, std=scale * m.in_features ** -0.5)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
         for gate in self.gates.values():
@@ -433,9 +447,11 @@ class GPT(nn.Module):
             nn.init.zeros_(gate)
         # Last, so that switching them on leaves every other initial weight as it was.
         if self.value_embed is not None:
-            nn.init.normal_(self.value_embed, std=self.cfg.embed_init_std)
+            nn.init.normal_(self.value_embed, std=1.0 if self.cfg.value_embed_ends else self.cfg.embed_init_std)
         if self.bigram is not None:
             nn.init.zeros_(self.bigram)  # enters as nothing; its per-block scales start at 1
+        if self.cfg.head_init_std:  # (config: an untied head)
+            nn.init.normal_(self.lm_head.weight, std=self.cfg.head_init_std)
 
     def set_capacity(self, capacity: float):
         """Share of units routed through every routed layer; a change is a new static shape."""

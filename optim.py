@@ -65,10 +65,10 @@ class Muon(torch.optim.Optimizer):
       w <- w - lr wd w [update * w >= 0] (K82s4's cautious decay; coupled to the LR as weight_decay is)."""
 
     def __init__(self, params, lr, momentum, ns_steps, coefficients="quintic", row_norm=False, weight_decay=0.0,
-                 normuon_beta2=0.0, cautious_wd=False):
+                 normuon_beta2=0.0, cautious_wd=False, ns_dtype=None):
         super().__init__(params, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, coefficients=coefficients,
                                       row_norm=row_norm, weight_decay=weight_decay, normuon_beta2=normuon_beta2,
-                                      cautious_wd=cautious_wd))
+                                      cautious_wd=cautious_wd, ns_dtype=ns_dtype))
 
     @torch.no_grad()
     def step(self):
@@ -86,7 +86,7 @@ class Muon(torch.optim.Optimizer):
                 same_shape.setdefault(tuple(sorted(update.shape)), []).append((p, tall, update.mT if tall else update))
             for batch in same_shape.values():
                 orthogonal = newton_schulz(torch.stack([wide for _, _, wide in batch]), group["ns_steps"],
-                                           coefficients=group["coefficients"])
+                                           group["ns_dtype"], group["coefficients"])
                 if group["normuon_beta2"]:
                     orthogonal = self.normuon([p for p, _, _ in batch], orthogonal, group["normuon_beta2"])
                 for (p, tall, _), update in zip(batch, orthogonal):
@@ -124,10 +124,13 @@ def param_groups(model: GPT, o: OptimConfig):
     head = [] if model.lm_head is None else [model.lm_head.weight]
     placed = {id(p) for p in matrices + tables + head}
     vectors = [p for p in model.parameters() if id(p) not in placed]
-    adam = [dict(params=tables, lr=o.embed_lr, weight_decay=o.weight_decay),
-            dict(params=vectors, lr=o.scalar_lr, weight_decay=0.0)]
+    adam = [dict(params=tables, lr=o.embed_lr, weight_decay=o.weight_decay, betas=o.embed_betas),
+            dict(params=vectors, lr=o.scalar_lr, weight_decay=0.0, betas=o.scalar_betas)]
     if head:  # optim.head_wd: its own decay (K82s4: 0.01, the tables 0.001); -1 = optim.weight_decay
-        adam.append(dict(params=head, lr=o.head_lr, weight_decay=o.weight_decay if o.head_wd < 0 else o.head_wd))
+        adam.append(dict(params=head, lr=o.head_lr, weight_decay=o.weight_decay if o.head_wd < 0 else o.head_wd,
+                         betas=o.head_betas))
+    for group in adam:  # optim.<group>_betas: the group's own (K82s4's per group), else optim.beta1 and beta2
+        group["betas"] = tuple(group["betas"]) or (o.beta1, o.beta2)
     return matrices, adam
 
 
@@ -150,8 +153,8 @@ def make_optimizers(model: GPT, o: OptimConfig, masters: dict):
         group["params"] = [masters.get(p, p) for p in group["params"]]
     optimizers = [Muon(muon, lr=o.muon_lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps, coefficients=o.muon_ns,
                        row_norm=o.muon_row_norm, weight_decay=o.muon_wd, normuon_beta2=o.normuon_beta2,
-                       cautious_wd=o.muon_wd_cautious),
-                  torch.optim.AdamW(adam_groups, betas=(o.beta1, o.beta2), eps=1e-10)]
+                       cautious_wd=o.muon_wd_cautious, ns_dtype=torch.bfloat16 if o.muon_bf16 else None),
+                  torch.optim.AdamW(adam_groups, eps=1e-10)]
     for opt in optimizers:
         for group in opt.param_groups:
             group["peak_lr"] = group["lr"]
@@ -201,10 +204,17 @@ def mtp_weights(p: float, o: OptimConfig) -> list:
     from optim.mtp_weights[k] to 0 between the progress where the next one's fade ended (for the farthest, 0) and
     optim.mtp_until[k]. The farthest fades first, as in K82s4 (mtp_weight_table, mtp_stage_of: t+3's 0.25 by
     p = 0.2, then t+2's 0.5 by 0.45). K82s4 steps through 4 levels per fade at each level's midpoint weight;
-    here the fade is continuous, equal at those midpoints (a device buffer, so no graph is added)."""
+    here the fade is continuous, equal at those midpoints (a device buffer, so no graph is added); with
+    optim.mtp_levels = N it steps as K82s4's does: N levels per fade, each the continuous fade's value at its
+    midpoint, 1 - (j + 0.5) / N of the weight in the fade's j-th N-th (K82s4's first: 0.25 x 7/8 = 0.21875)."""
     starts = (*o.mtp_until[1:], 0.0)
-    return [w * min(1.0, max(0.0, (until - p) / (until - start)))
-            for w, until, start in zip(o.mtp_weights, o.mtp_until, starts)]
+    if not o.mtp_levels:
+        return [w * min(1.0, max(0.0, (until - p) / (until - start)))
+                for w, until, start in zip(o.mtp_weights, o.mtp_until, starts)]
+    n, p = o.mtp_levels, max(p, 0.0)
+    level = [min(n - 1, math.floor((p - start) / (until - start) * n)) for until, start in zip(o.mtp_until, starts)]
+    return [w if p < start else 0.0 if p >= until else w * (1 - (j + 0.5) / n)
+            for w, until, start, j in zip(o.mtp_weights, o.mtp_until, starts, level)]
 
 
 EMA_PREWARM_STEP = 4  # optim.ema_prewarm: the extra update follows this optimizer step (K82s4's startup steps - 1)
