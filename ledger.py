@@ -524,26 +524,27 @@ def read_metrics(runs_dir, run_id):
 
 def plot_curves(arms, out, runs_dir, val_only=False):
     """Train loss (unless val_only) and curve val_bpb of every run of each arm ({label: rows}), against
-    training seconds and tokens."""
+    training seconds and tokens; a row of panels that no run has a point for is left out."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     panels = (("curve", "val_bpb", "curve val_bpb"),) if val_only else (
         ("train", "loss", "train loss (nats/token)"), ("curve", "val_bpb", "curve val_bpb"))
+    records = {row["run_id"]: read_metrics(runs_dir, row["run_id"]) for rows in arms.values() for row in rows}
+    panels = [p for p in panels if any(r["kind"] == p[0] for rs in records.values() for r in rs)] or panels[:1]
     fig, axes = plt.subplots(len(panels), 2, figsize=(12, 4 * len(panels)), sharey="row", squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     drawn = 0
     for i, (key, rows) in enumerate(arms.items()):
         for j, row in enumerate(rows):
-            records = read_metrics(runs_dir, row["run_id"])
-            if not records:
+            if not records[row["run_id"]]:
                 print(f"warning: no {Path(runs_dir) / row['run_id'] / 'metrics.jsonl'}", file=sys.stderr)
             for r, (kind, value, _) in enumerate(panels):
-                points = [p for p in records if p["kind"] == kind]
+                points = [p for p in records[row["run_id"]] if p["kind"] == kind]
                 for c, x in enumerate(("train_s", "tokens")):
                     axes[r][c].plot([p[x] for p in points], [p[value] for p in points], color=colors[i % len(colors)],
                                     alpha=0.8, label=key if j == 0 and r == c == 0 else None)
-            drawn += bool(records)
+            drawn += bool(records[row["run_id"]])
     if not drawn:
         raise LedgerError(f"no learning curves found under {runs_dir} for {', '.join(arms)}")
     for r, (_, _, label) in enumerate(panels):

@@ -258,8 +258,15 @@ def test_plot_command_writes_pngs(tmp_path, monkeypatch):
         assert ledger.main(["plot", *args, "--out", str(out), "--runs-dir", str(runs),
                             "--path", str(tmp_path / "ledger.csv")]) == 0
         assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
-    height = [int.from_bytes((tmp_path / f"plot{i}.png").read_bytes()[20:24], "big") for i in (0, 2)]  # PNG header
-    assert height == [800, 400]  # train loss and val_bpb; val_bpb's row alone
+    (runs / "run-4").mkdir()  # training losses only (eval.every_seconds=0): no empty row of val_bpb panels
+    (runs / "run-4" / "metrics.jsonl").write_text("".join(json.dumps(dict(kind="train", step=s, train_s=s * 1.0,
+                                                                          tokens=s * 100, stage=0, loss=5.0)) + "\n"
+                                                          for s in range(1, 6)))
+    ledger.append(tmp_path / "ledger.csv", dict(rows[0], run_id="run-4", variant="c", recipe="c"))
+    assert ledger.main(["plot", "curves", "s/c", "--out", str(tmp_path / "plot3.png"), "--runs-dir", str(runs),
+                        "--path", str(tmp_path / "ledger.csv")]) == 0
+    height = [int.from_bytes((tmp_path / f"plot{i}.png").read_bytes()[20:24], "big") for i in (0, 2, 3)]  # PNG header
+    assert height == [800, 400, 400]  # train loss and val_bpb; val_bpb's row alone; train loss's alone
     drawn = {}  # LABEL=ARM: the arm's runs under the label (a config's name in a figure, not a sweep's)
     monkeypatch.setattr(ledger, "plot_curves", lambda arms, out, runs_dir, val_only: drawn.update(arms))
     assert ledger.main(["plot", "curves", "configs/cpu.yaml=s/a", "s/b", "--out", str(tmp_path / "c.png"),
