@@ -29,8 +29,10 @@ A calibration made elsewhere (a chip's published step times, or equal steps: `ma
     machine      where they were measured ("trn2", or "any" for costs that were set, not measured)
     step_ms      {tokens per optimizer step: ms}, or {"*": ms} for every step alike
 A run under it on any machine takes the steps that machine's costs give: each stage costs the entry of its
-tokens per step (the batch ramp's phases), whatever its model, so what it assumes (this run's step costs there
-what the measured program's did, its stages map to that program's batch phases) goes with it into the row.
+tokens per step (the batch ramp's phases), whatever its model, so what it assumes (ASSUMED: this run's step costs there
+what the measured program's did, its stages map to that program's batch phases) goes with it into the row. Such costs
+need no data and no machine, so `train.py --plan` predicts the steps and stage switches they give (`predict`), by the
+loop's rules. sweeps/trn2_chip/calibration-trn2.json is one: a trn2 chip's step seconds from FrontierForge's chip logs.
 """
 import dataclasses
 import json
@@ -42,9 +44,12 @@ import statistics
 import time
 from pathlib import Path
 
-from config import ConfigError, recipe
+from config import ConfigError, recipe, stage_for
 
 VERSION = 1
+# What a run under a calibration made elsewhere takes for granted, said wherever one is used (--plan, the ledger row).
+ASSUMED = ("assumed: each step costs what the measured program's step of the same tokens per step cost there, "
+           "this run's stages standing for its batch phases")
 # Per stage: rounds, timed steps per round, steps run untimed before them. On a 2-core VM the ratio
 # of two identical stages' round medians scattered by 11 % (sd of its log) and the first steps after
 # another stage ran were a few % slower than the later ones, so: steps 4-8 after a switch, and about
@@ -200,6 +205,29 @@ def costs(budget, keys: list, here: str, batch_tokens: list):
                               f"{names}: calibrate this config (python sweep.py SWEEP --calibrate-only)")
     scale = budget.reference_step_ms / doc["stages"][doc["baseline"]]["step_ms"] if budget.reference_step_ms else 1.0
     return doc["id"], [doc["stages"][key]["step_ms"] / 1000 * scale for key in keys]
+
+
+def free_step(budget, step: int, profile_steps: int, stage_first: bool) -> bool:
+    """Whether the calibrated clock charges nothing for optimizer step `step` (1, 2, ... of a run never resumed, so a
+    resumed run gets its steps too): budget.charge=kit its startup steps; aion the run's first step, its profiled ones
+    (3 .. 2 + profile_steps) and, stage_first under device.compile, a stage's first (compiling)."""
+    if budget.charge == "kit":
+        return step <= budget.startup_steps
+    return step == 1 or 2 < step <= 2 + profile_steps or stage_first
+
+
+def predict(budget, stages: tuple, step_costs: list, profile_steps: int, compiled: bool) -> tuple:
+    """The steps a run under the calibrated clock takes, before it runs: the loop's rules (the stage before each step
+    by stage_for, each step charged its stage's cost unless free_step, the end once the budget or budget.max_steps is
+    reached), its own clock never read. -> ([(stage, its first step, its steps)], charged seconds)."""
+    timeline, step, tokens, charged = [], 0, 0, 0.0
+    while charged < budget.seconds and not (budget.max_steps and step >= budget.max_steps):
+        index = stage_for(stages, timeline[-1][0] if timeline else 0, tokens, charged / budget.seconds)
+        if not timeline or index != timeline[-1][0]:
+            timeline.append([index, step, 0])
+        step, tokens, timeline[-1][2] = step + 1, tokens + stages[index].batch_tokens, timeline[-1][2] + 1
+        charged += 0.0 if free_step(budget, step, profile_steps, compiled and timeline[-1][2] == 1) else step_costs[index]
+    return [tuple(entry) for entry in timeline], charged
 
 
 def measure(stages: dict, path, baseline: str, here: str, log=print, rounds=None, before_rounds=None) -> dict:

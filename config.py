@@ -693,6 +693,13 @@ def stage_rows(cfg: Config, stage: Stage) -> float:
     return cfg.optim.micro_batch * cfg.data.seq_len * stage.batch_tokens / (cfg.optim.batch_tokens * stage.seq_len)
 
 
+def stage_for(stages: tuple, reached: int, tokens: int, progress: float) -> int:
+    """The stage at this progress, or for the tokens trained where stages switch by tokens; never one before
+    `reached`, the latest entered (a resumed run with a longer budget keeps its grown model)."""
+    return max(reached, max(i for i, stage in enumerate(stages)
+                            if (tokens >= stage.at_tokens if stage.at_tokens else stage.at <= progress)))
+
+
 def eval_seq_len(cfg: Config) -> int:
     """The windows AION's val_bpb scores: eval.seq_len, 0 = the training rows' data.seq_len."""
     return cfg.eval.seq_len or cfg.data.seq_len

@@ -40,7 +40,7 @@ import kernels.profile
 import kit
 import ledger
 from config import (BASE_CONFIG, ROOT, Config, ConfigError, DeviceConfig, accum_steps, build, depth_order, eval_rows,
-                    eval_seq_len, flatten, load_chain, load_config, merge, recipe, resolve_stages, stage_rows)
+                    eval_seq_len, flatten, load_chain, load_config, merge, recipe, resolve_stages, stage_for, stage_rows)
 from model import GPT, TILED, active_params, flops_per_token, param_count, rotation_period, training_values
 from optim import WeightAverage, lr_scale, make_optimizers, mtp_weights, muon_momentum
 
@@ -444,7 +444,8 @@ def stage_line(stage, model: GPT, flops: float) -> str:
 def plan_text(cfg: Config, config_path: str) -> str:
     """--plan: a run of cfg from its config alone (no data read, no device touched, nothing compiled). xla and neuron
     are planned on trn2 for each launch shape the kit allows (kit.LAUNCH_SHAPES), or for the one WORLD_SIZE and
-    NEURON_LOGICAL_NC_CONFIG (default 2) name; cpu and cuda (this GPU) on WORLD_SIZE ranks (default 1)."""
+    NEURON_LOGICAL_NC_CONFIG (default 2) name; cpu and cuda (this GPU) on WORLD_SIZE ranks (default 1). Under a calibration
+    made elsewhere (budget.clock=calibrated: a chip clock), the steps the run takes and where its stages begin."""
     kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device.type == "auto" else cfg.device.type
     trn2, stages = kind in ("xla", "neuron"), resolve_stages(cfg)
     shapes = [(world, str(lnc)) for lnc, world in kit.LAUNCH_SHAPES.items()] if trn2 and "WORLD_SIZE" not in os.environ \
@@ -473,6 +474,13 @@ def plan_text(cfg: Config, config_path: str) -> str:
         lines.append(f"memory_per_rank:{need / 2**30:.2f}GiB (estimate; activations {activations / 2**30:.2f}GiB)" + (
             f" hbm_per_rank:{hbm / 2**30:g}GiB margin:{(hbm - need) / 2**30:.2f}GiB" if hbm else ""))
         lines.append(f"peak_flops_per_rank:{peak:.4g} ({device} datasheet)" if peak else "peak:unknown (measured at run time)")
+    if cfg.budget.clock == "calibrated" and clock.made_elsewhere(doc := clock.read(cfg.budget.calibration)):
+        calibration, costs = clock.costs(cfg.budget, [], "", [stage.batch_tokens for stage in stages])  # by tokens alone
+        timeline, charged = clock.predict(cfg.budget, stages, costs, cfg.run.profile_steps, cfg.device.compile and
+                                          kind != "xla")
+        lines.append(f"clock:calibrated calibration:{calibration} steps:{sum(t[2] for t in timeline)} train_s:"
+                     f"{charged:.1f} stage_first_steps:{','.join(f'{i}@{first}' for i, first, _ in timeline)} (step costs "
+                     f"made elsewhere, not measured here: {doc['source']} ({doc['machine']}); {clock.ASSUMED})")
     return "\n".join(lines)
 
 
@@ -591,11 +599,7 @@ class Trainer:
         return self.steady_tokens / self.steady_s if self.steady_s else 0.0
 
     def stage_at(self, progress: float) -> int:
-        """The stage for this progress, or for the tokens trained when the schedule switches by tokens; never one
-        before the latest entered (a resumed run with a longer budget keeps its grown model)."""
-        reached = self.stage if self.timeline else 0
-        return max(reached, max(i for i, stage in enumerate(self.stages)
-                                if (self.tokens >= stage.at_tokens if stage.at_tokens else stage.at <= progress)))
+        return stage_for(self.stages, self.stage if self.timeline else 0, self.tokens, progress)
 
     def enter_stage(self, index: int):
         """Set the model's active layers, MLP width and capacity, the loader's sequence length and tokens per step
@@ -993,11 +997,9 @@ class Trainer:
                 self.compile_s += compiling
                 profile_s += elapsed if profiled else 0.0
                 startup = self.step_count <= cfg.budget.startup_steps  # budget.charge=kit: free up to startup_cap_s
-                if self.step_costs:  # calibrated: the stage's cost; free are the steps free in a run never resumed (its
-                    # first, its profiled ones, a stage's first under device.compile; charge=kit: its startup steps), so
-                    # a resumed run gets its steps too
-                    free = startup if kit_charge else (self.step_count == 1 or 2 < self.step_count <= 2 + profile_end -
-                                                       profile_first or self.compiled and self.timeline[-1][2] == 1)
+                if self.step_costs:  # calibrated: the stage's cost, free the steps free in a run never resumed
+                    free = clock.free_step(cfg.budget, self.step_count, profile_end - profile_first,
+                                           self.compiled and self.timeline[-1][2] == 1)
                     self.train_s += 0.0 if free else self.step_costs[self.stage]
                 elif kit_charge:  # every step after the startup, compile and profile included, as the kit charges
                     self.train_s += 0.0 if startup else elapsed
@@ -1112,7 +1114,7 @@ class Trainer:
             measured = self.steady_tokens / sum(self.step_ms) * 1000
             notes.append(f"measured_tokens_per_s={measured:.0f}")
         if self.step_costs and self.clock_source:
-            notes.append(f"step costs made elsewhere, not measured here: {self.clock_source}")
+            notes.append(f"step costs made elsewhere, not measured here: {self.clock_source}; {clock.ASSUMED}")
         if cfg.budget.reference_step_ms:
             notes.append(f"budget {cfg.budget.seconds:g} s at the baseline's reference step of "
                          f"{cfg.budget.reference_step_ms:g} ms")
@@ -1162,7 +1164,8 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides; later ones win")
     parser.add_argument("--plan", action="store_true", help="print the plan and exit, reading no data, compiling nothing: "
                         "parameters, FLOPs and tokens per step, rank (WORLD_SIZE) and stage, XLA graphs, memory per rank; "
-                        "device.type xla or neuron: on trn2 for both launch shapes the kit allows, HBM, peak, 40%% MFU step")
+                        "device.type xla or neuron: on trn2 for both launch shapes the kit allows, HBM, peak, 40%% MFU step; "
+                        "under a calibration made elsewhere (a chip clock) the steps and stage switches it gives")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)

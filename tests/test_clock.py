@@ -187,21 +187,71 @@ def test_a_calibration_made_elsewhere_gives_the_steps_its_costs_set(tmp_path, bu
 
 @pytest.mark.parametrize("fields, message", [
     (dict(source=""), ": source: expected a non-empty string, got ''"),
+    (dict(id=None), ": id: expected a non-empty string, got None"),
     (dict(machine=None), ": machine: expected a non-empty string, got None"),
     (dict(version=2), ": version: expected 1, got 2"),
     (dict(step_ms={}), ": step_ms: expected {tokens per step: ms} with at least one entry, got {}"),
     (dict(step_ms={"256": 31.25, "512": 0}), ": step_ms[512]: expected a finite number > 0, got 0"),
     (dict(step_ms={"256": 31.25, "512": float("nan")}), ": step_ms[512]: expected a finite number > 0, got nan"),
+    (dict(step_ms={"256": float("inf"), "512": 62.5}), ": step_ms[256]: expected a finite number > 0, got inf"),
     (dict(step_ms={"256": 31.25, "0.5k": 62.5}), ": step_ms: key '0.5k': expected tokens per optimizer step"),
     (dict(step_ms={"512": 62.5}), " has no step_ms for 256 tokens per step (this run's stages); it has 512"),
 ])
 def test_a_calibration_made_elsewhere_is_checked_before_training(tmp_path, builtin_1024, capsys, fields, message):
+    """Exit 2 naming the file and the field, before a run trains and before --plan predicts its steps."""
     fields = dict(fields)
     path = made_elsewhere(tmp_path, fields.pop("step_ms", {"256": 31.25, "512": 62.5}), **fields)
-    assert train.main(["--config", str(SMOKE), *args(tmp_path, "budget.clock=calibrated", f"budget.calibration={path}",
-                                                    BATCH_RAMP)]) == 2
-    assert f"budget.calibration={path}{message}" in capsys.readouterr().err
+    for plan in ((), ("--plan",)):
+        assert train.main(["--config", str(SMOKE), *plan, *args(tmp_path, "budget.clock=calibrated",
+                                                               f"budget.calibration={path}", BATCH_RAMP)]) == 2
+        assert f"budget.calibration={path}{message}" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "ledger.csv").exists()
+
+
+# trn2.yaml's batch ramp at the smoke config's size: the full batch for 6 steps, a quarter at LR x 0.35 until 6 % of the
+# budget, a half at x 0.6 until 20 %, then the full batch; a made-up chip's costs for each, exact in binary.
+CHIP_RAMP = ("schedule.stages=[{at: 0}, {at: '3072 tokens', batch_tokens: 128, lr: 0.35}, "
+             "{at: 0.06, batch_tokens: 256, lr: 0.6}, {at: 0.2, batch_tokens: 512}]")
+CHIP_MS = {"128": 31.25, "256": 62.5, "512": 125.0}
+CHIP_RUN = (CHIP_RAMP, "budget.seconds=4", "budget.charge=kit", "run.profile_steps=0")
+
+
+def test_a_chip_clock_gives_the_steps_and_switches_computed_by_hand(tmp_path, builtin_1024, capsys):
+    """By hand, against 4 s: steps 1-5 free (the kit's startup), step 6 at 0.125 s (3,072 tokens: the ramp starts);
+    steps 7-10 at 31.25 ms to 0.25 s >= 6 % (0.24 s); steps 11-19 at 62.5 ms to 0.8125 s >= 20 % (0.8 s); steps 20-45 at
+    125 ms to 4.0625 s >= 4 s. --plan predicts the same before the run, reading no data."""
+    path = made_elsewhere(tmp_path, CHIP_MS)
+    row, _ = calibrated_run(tmp_path, path, *CHIP_RUN)
+    assert (row["stages"], row["steps"], float(row["train_s"])) == ("0@0.0s:6:d2 1@0.1s:4:d2 2@0.2s:9:d2 3@0.8s:26:d2",
+                                                                    "45", 4.0625)
+    assert f"not measured here: a made-up chip log (trn2 (made up)); {clock.ASSUMED}" in row["notes"]
+    capsys.readouterr()
+    assert train.main(["--config", str(SMOKE), "--plan", *args(tmp_path, "budget.clock=calibrated",
+                                                              f"budget.calibration={path}", "budget.max_steps=0",
+                                                              *CHIP_RUN)]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("clock:calibrated calibration:0ffc41000001 steps:45 train_s:4.1 "
+                           "stage_first_steps:0@0,1@6,2@10,3@19 (step costs made elsewhere") and clock.ASSUMED in line
+
+
+def test_a_run_under_a_chip_clock_resumed_ends_at_the_uninterrupted_runs_step(tmp_path, builtin_1024, monkeypatch):
+    """Interrupted inside the free startup (step 3) and in the half-batch stage (step 15), resumed each time: the
+    uninterrupted run's steps, stages, charged seconds and val_bpb."""
+    path = made_elsewhere(tmp_path, CHIP_MS)
+    reference, _ = calibrated_run(tmp_path / "reference", path, *CHIP_RUN)
+    ckpt, resume, step = tmp_path / "run.pt", (), train.Trainer.step
+    for n in (3, 15):
+        monkeypatch.setattr(train.Trainer, "step", stop_at(n))
+        assert train.main(["--config", str(SMOKE), *args(tmp_path, "budget.clock=calibrated", f"budget.calibration={path}",
+                                                        "budget.max_steps=0", *CHIP_RUN, f"checkpoint.path={ckpt}",
+                                                        *resume)]) == 128 + signal.SIGTERM
+        resume = (f"checkpoint.resume={ckpt}",)
+    monkeypatch.setattr(train.Trainer, "step", step)
+    row, _ = calibrated_run(tmp_path, path, *CHIP_RUN, f"checkpoint.path={ckpt}", *resume)
+    assert [(r["status"], r["steps"]) for r in ledger.read(tmp_path / "ledger.csv")[:-1]] == [("interrupted", "3"),
+                                                                                            ("interrupted", "15")]
+    assert (row["steps"], row["stages"], row["train_s"], row["val_bpb"]) == (
+        reference["steps"], reference["stages"], reference["train_s"], reference["val_bpb"]) and row["steps"] == "45"
 
 
 def test_a_calibration_made_elsewhere_is_not_scaled(tmp_path):

@@ -2,7 +2,7 @@
 of the built model, its graph count the one the XLA tests measure, its memory the estimate check_memory uses;
 a bad config or a world size that does not split the batch exits 2 naming the key. On trn2 (device.type neuron or xla)
 without WORLD_SIZE it plans both launch shapes the kit allows. configs/trn2.yaml trains on XLA (CPU backend) at its full
-model shape and compiles the graphs its plan says."""
+model shape and compiles the graphs its plan says; under the chip clock its plan takes the chip's steps."""
 import dataclasses
 import math
 from pathlib import Path
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import clock
 import ledger
 import train
 from config import accum_steps, load_config, resolve_stages
@@ -43,7 +44,7 @@ def plan(capsys, monkeypatch, config, *overrides, world="1", lnc="2") -> dict:
     ("cpu.yaml", XLA_GRAPHS + 6),  # and the batch ramp's three later stages' steady steps, optim.ema's swap
     # The first step, each of three stages' steady steps, the first step of the stage that adds layers, eval, the kit's.
     ("aion.yaml", XLA_GRAPHS + 5),
-    ("trn2.yaml", XLA_GRAPHS + 2),
+    ("trn2.yaml", XLA_GRAPHS + 6),  # as cpu.yaml: the same recipe (the lineage's K82s4) at the chip's shape
 ])
 def test_the_plan_has_the_built_models_numbers(capsys, monkeypatch, name, graphs):
     table = plan(capsys, monkeypatch, CONFIGS / name)
@@ -109,9 +110,9 @@ def test_the_plan_reads_no_data_and_writes_nothing(capsys, monkeypatch, tmp_path
 
 @pytest.mark.parametrize("overrides,world,message", [
     (["model.n_layers=3"], "1", "unknown key model.n_layers; did you mean model.n_layer?"),
-    (["model.xsa_layers=11"], "1", "model.xsa_layers: expected 0..10"),
+    (["model.xsa_layers=11"], "1", "model.xsa_layers: expected 0..9"),
     ([], "3", "optim.batch_tokens (262144) must be a multiple of optim.micro_batch * data.seq_len * WORLD_SIZE "
-              "(4 * 2048 * 3)"),
+              "(8 * 1024 * 3)"),
 ])
 def test_a_bad_config_or_world_size_stops_the_plan_with_exit_2(capsys, monkeypatch, overrides, world, message):
     monkeypatch.setenv("WORLD_SIZE", world)
@@ -120,19 +121,37 @@ def test_a_bad_config_or_world_size_stops_the_plan_with_exit_2(capsys, monkeypat
     assert message in out.err and out.out == ""
 
 
+def test_trn2_yaml_under_the_chip_clock_takes_the_chips_steps(capsys, monkeypatch):
+    """sweeps/trn2_chip/calibration-trn2.json (K59's step seconds on the chip: 0.296835, 0.510163, 0.934132 at 1, 2, 4
+    micro-batches of 65,536 tokens) against 1,795 s, the kit's 5 startup steps free: 15 full-batch steps (14.012 s) to the
+    20th, then 316 quarter-batch steps to 107.81 s >= 6 % (step 336), 493 half-batch steps to 359.32 s >= 20 % (step
+    829), 1,537 full ones to 1,795.06 s: 2,366 steps. Their phase switches on the chip: steps 336 and 829 (K60); their
+    ends: 2,361 (K60, 1,793 s) and 2,390 (K82s4, its step about 1 % faster)."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert train.main(["--config", str(CONFIGS / "trn2.yaml"), "--plan", "budget.clock=calibrated",
+                       f"budget.calibration={ROOT / 'sweeps' / 'trn2_chip' / 'calibration-trn2.json'}"]) == 0
+    out = capsys.readouterr().out
+    predicted = parse(out)["clock"]
+    assert (predicted["stage_first_steps"], predicted["steps"], predicted["train_s"]) == ("0@0,1@20,2@336,3@829", "2366",
+                                                                                          "1795.1")
+    line = out.splitlines()[-1]
+    assert "made elsewhere, not measured here: FrontierForge's chip logs" in line and clock.ASSUMED in line
+
+
 @pytest.mark.xla
 def test_trn2_yaml_trains_on_xla_at_full_shape_with_the_planned_graphs(capsys, monkeypatch, tmp_path, builtin_1024):
-    """Its 10 x 640 model at sequence 2048 for 2 optimizer steps of one sequence, on the built-in corpus with the kit's
-    kind of tokenizer, on the PyTorch-XLA path (README: device.type=xla device.bf16=weights; AION's charge: a
-    one-process run on a CPU is no launch the kit scores)."""
+    """Its 9 x 1024 model at rows of 1,024 for 2 optimizer steps of one row, on the built-in corpus with the kit's kind of
+    tokenizer, on the PyTorch-XLA path (README: device.type=xla device.bf16=weights; AION's charge: a one-process run on
+    a CPU is no launch the kit scores); one static stage (2 steps never leave the batch ramp's first)."""
     small = ["data.source=builtin", f"data.path={ROOT / 'data' / 'builtin'}", "data.tokenizer=", "device.type=xla",
              "device.bf16=weights", "budget.charge=aion", "optim.batch_tokens=2048", "optim.micro_batch=1",
-             "eval.tokens=2048", "eval.batch_size=1", "eval.kit_tokens=2048", "budget.max_steps=2", "run.profile_steps=0",
-             "checkpoint.every_seconds=0", f"ledger.path={tmp_path / 'ledger.csv'}", f"run.out_dir={tmp_path / 'runs'}"]
+             "schedule.stages=[]", "eval.tokens=2048", "eval.batch_size=1", "eval.kit_tokens=2048", "budget.max_steps=2",
+             "run.profile_steps=0", "checkpoint.every_seconds=0", f"ledger.path={tmp_path / 'ledger.csv'}",
+             f"run.out_dir={tmp_path / 'runs'}"]
     table = plan(capsys, monkeypatch, CONFIGS / "trn2.yaml", *small)
     run(["--config", str(CONFIGS / "trn2.yaml"), *small])
     row, = ledger.read(tmp_path / "ledger.csv")
     assert row["status"] == "ok" and row["steps"] == "2" and math.isfinite(float(row["val_bpb"]))
     assert row["params"] == table["plan"]["params"] and row["active_params"] == table["stage:0"]["active_params"]
-    assert int(row["xla_compiles"]) == int(table["plan"]["xla_graphs"]) == XLA_GRAPHS + 2
+    assert int(row["xla_compiles"]) == int(table["plan"]["xla_graphs"]) == XLA_GRAPHS + 3  # the kit's protocol, the EMA
     assert math.isfinite(float(row["kit_val_bpb"]))
