@@ -13,6 +13,7 @@ import yaml
 
 import clock
 import ledger
+import locks
 import search
 import sweep
 import sweeprun
@@ -239,13 +240,15 @@ def test_kill_9_then_the_same_command_loses_repeats_and_double_counts_no_trial(t
     logs = tmp_path / "tiny" / "trials"
     second = lambda: next(iter(logs.glob("*-t001.log")), None) if logs.is_dir() else None  # noqa: E731
     wait_for(lambda: second() and "\nstep:5 " in second().read_text(), first)
+    trial = int(Path(f"/proc/{first.pid}/task/{first.pid}/children").read_text().split()[0])  # its train.py
     first.kill()
     first.wait()
-    deadline = time.monotonic() + 300
-    while not any(r["status"] == "interrupted" for r in ledger.read(tmp_path / "ledger.csv")):
+    deadline = time.monotonic() + 600  # (only so that a bug cannot hang the suite)
+    while locks.alive(trial):  # the trial's run saves, writes its row and exits, however long that takes
         assert time.monotonic() < deadline, second().read_text()[-2000:]
         time.sleep(0.2)
-    rerun = subprocess.run(command(tmp_path, path), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert any(r["status"] == "interrupted" for r in ledger.read(tmp_path / "ledger.csv")), second().read_text()[-2000:]
+    rerun = subprocess.run(command(tmp_path, path), cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "trial 1 was left running by pid" in rerun.stdout and "taken over" in rerun.stdout
     assert "(2/3 trials counted so far, 1 of them left running)" in rerun.stdout
