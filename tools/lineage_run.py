@@ -303,7 +303,8 @@ def score(cfg, model: nn.Module, val_files, tokenizer) -> dict:
                 eval_s=time.perf_counter() - start)
 
 
-def main(argv=None) -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The command line (module docstring); a row's overrides column holds a run's (tools/rescore.py reads it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--script", required=True, help="the lineage's train.py (FrontierForge's recipes/K82s4/train.py)")
     parser.add_argument("--seconds", type=float, default=600.0, help="the kit's training budget (its charged clock)")
@@ -320,7 +321,16 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=str(ROOT / "configs" / "cpu_lineage.yaml"), help="shape, data, eval, run, ledger")
     parser.add_argument("--name", default="", help="the row's config is lineage:NAME; default the script's folder name")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides; later ones win")
-    args = parser.parse_intermixed_args(argv)
+    return parser
+
+
+def kit_env(folder: Path, seconds: float, run_dir: Path) -> dict:
+    """The kit shim's settings of a run (tools/kit_prepare): its data folder, its budget and its step log."""
+    return dict(AION_KIT_DATA=str(folder), AION_KIT_SECONDS=f"{seconds:g}", AION_KIT_STEP_LOG=str(run_dir / "steps.log"))
+
+
+def main(argv=None) -> int:
+    args = arguments().parse_intermixed_args(argv)
     script = Path(args.script).resolve()
     try:
         if not script.is_file():
@@ -358,8 +368,7 @@ def main(argv=None) -> int:
     run_dir = (Path(cfg.run.out_dir) / run_id).resolve()
     run_dir.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    env.update(settings, AION_KIT_DATA=str(folder), AION_KIT_SECONDS=f"{args.seconds:g}",
-               AION_KIT_STEP_LOG=str(run_dir / "steps.log"), NEURON_COMPETITION_R1_OUT_DIR=str(run_dir),
+    env.update(settings, **kit_env(folder, args.seconds, run_dir), NEURON_COMPETITION_R1_OUT_DIR=str(run_dir),
                OMP_NUM_THREADS=str(args.threads),
                PYTHONPATH=os.pathsep.join([str(SHIM), *filter(None, [os.environ.get("PYTHONPATH")])]))
     script_sha, ran = hashlib.sha256(script.read_bytes()).hexdigest(), script
