@@ -28,13 +28,14 @@ def newton_schulz(grad: torch.Tensor, steps: int, dtype=None, coefficients="quin
     matrices (..., m, n), with `steps` quintic Newton-Schulz iterations, x <- a x + (b G + c G^2) x
     with G = x x^T, by NS_COEFFICIENTS[coefficients].
     dtype: what it computes in; by default bfloat16 on GPUs (safe here and fast there), float32
-    on CPUs (sweeps/step_bench.py: bfloat16 took 2.0x as long on an AVX512-BF16 CPU without AMX)."""
+    on CPUs (sweeps/step_bench.py: bfloat16 took 2.0x as long on an AVX512-BF16 CPU without AMX).
+    The normalisation is in the gradient's own precision (float32) before the cast: a norm summed in
+    bfloat16 (XLA's CPU reduction) comes out too small, the iteration then starts above its
+    convergent range and overflows (trn2.yaml with optim.muon_bf16 on XLA: a NaN at step 2)."""
     table = NS_COEFFICIENTS[coefficients]
-    x = grad.to(dtype or (torch.bfloat16 if grad.is_cuda else torch.float32))
-    transposed = x.size(-2) > x.size(-1)
-    if transposed:
-        x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    transposed = grad.size(-2) > grad.size(-1)
+    x = grad.mT if transposed else grad
+    x = (x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)).to(dtype or (torch.bfloat16 if grad.is_cuda else torch.float32))
     for i in range(steps):
         a, b, c = table[min(i, len(table) - 1)]
         gram = x @ x.mT
