@@ -12,12 +12,10 @@ import torch
 
 import clock
 import config
-import ledger
 import optim
-import train
 from config import ConfigError, load_config
-from test_clock import calibration
-from test_lineage_model import ROOT, SMOKE, assert_causal
+from test_lineage_model import SMOKE, assert_causal
+from test_lineage_optim import whole_and_resumed
 from test_newer_records import build, cfg_with, tokens
 
 VE = ("model.value_embed=true", "model.value_embed_ends=true")
@@ -160,18 +158,7 @@ def test_config_errors_name_the_key(overrides, message):
 def test_resume_with_every_key_on_is_the_uninterrupted_run(tmp_path, builtin_1024):
     """Calibrated clock (the steps and their progress fixed), the MTP levels stepping inside the run: the per-group
     AdamW state, the value embedding's scalars and the weights through the checkpoint, and load_for_eval's score."""
-    on = ("model.n_layer=4", *ALL_ON, "run.profile_steps=0", "eval.tokens=2048")
-    path = calibration(tmp_path, [62.5], on)
-    common = ["--config", str(SMOKE), f"data.path={ROOT / 'data' / 'builtin'}", f"ledger.path={tmp_path / 'l.csv'}",
-              f"run.out_dir={tmp_path / 'runs'}", *on, "budget.clock=calibrated", f"budget.calibration={path}",
-              "budget.seconds=1"]
-    whole, first, resumed = tmp_path / "whole.pt", tmp_path / "first.pt", tmp_path / "resumed.pt"
-    assert train.main([*common, "budget.max_steps=0", f"checkpoint.path={whole}"]) == 0
-    assert train.main([*common, "budget.max_steps=7", f"checkpoint.path={first}"]) == 0
-    assert train.main([*common, "budget.max_steps=0", f"checkpoint.resume={first}", f"checkpoint.path={resumed}"]) == 0
-    rows = ledger.read(tmp_path / "l.csv")
-    assert rows[0]["val_bpb"] == rows[2]["val_bpb"] != ""
-    a, b = train.load_checkpoint(whole), train.load_checkpoint(resumed)
+    _, a, b = whole_and_resumed(tmp_path, ("model.n_layer=4", *ALL_ON), [62.5])
     assert a["step"] == b["step"] == 17  # the first (compile) step uncharged, then 1 s of 62.5 ms steps
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name

@@ -326,13 +326,12 @@ def test_the_run_takes_its_lr_by_step_and_its_momentum_by_full_batches(tmp_path,
 
 # -- state and graphs ----------------------------------------------------------------------------
 
-def test_resume_with_every_key_on_is_the_uninterrupted_run(tmp_path, builtin_1024):
-    """Calibrated clock (the steps and their progress fixed): the ramp's stages by tokens, then by time, the stepped
-    warm-down inside the budget, NorMuon's moments and both Muon groups through the checkpoint."""
-    ramp = ("schedule.stages=[{at: 0}, {at: 1024 tokens, batch_tokens: 128, lr: 0.35}, "
-            "{at: 0.2, batch_tokens: 256, lr: 0.6}, {at: 0.4, batch_tokens: 512}]")
-    on = ("model.n_layer=4", *ALL_ON[:-1], "optim.warmdown_steps=4", ramp, "run.profile_steps=0", "eval.tokens=2048")
-    path = calibration(tmp_path, [62.5, 15.625, 31.25, 62.5], on)
+def whole_and_resumed(tmp_path, on, costs_ms):
+    """The smoke config with `on`, 1 s under a calibration of `costs_ms` a stage: whole, and stopped after 7 steps then
+    resumed -> (the ledger's rows: whole, first part, resumed; the whole run's and the resumed run's checkpoints),
+    both runs' val_bpb checked equal."""
+    on = (*on, "run.profile_steps=0", "eval.tokens=2048")
+    path = calibration(tmp_path, costs_ms, on)
     common = ["--config", str(SMOKE), f"data.path={ROOT / 'data' / 'builtin'}", f"ledger.path={tmp_path / 'l.csv'}",
               f"run.out_dir={tmp_path / 'runs'}", *on, "budget.clock=calibrated", f"budget.calibration={path}",
               "budget.seconds=1"]
@@ -341,9 +340,18 @@ def test_resume_with_every_key_on_is_the_uninterrupted_run(tmp_path, builtin_102
     assert train.main([*common, "budget.max_steps=7", f"checkpoint.path={first}"]) == 0
     assert train.main([*common, "budget.max_steps=0", f"checkpoint.resume={first}", f"checkpoint.path={resumed}"]) == 0
     rows = ledger.read(tmp_path / "l.csv")
-    assert rows[0]["stages"] == rows[2]["stages"] and len(rows[0]["stages"].split()) == 4  # every stage entered
     assert rows[0]["val_bpb"] == rows[2]["val_bpb"] != ""
-    a, b = train.load_checkpoint(whole), train.load_checkpoint(resumed)
+    return rows, train.load_checkpoint(whole), train.load_checkpoint(resumed)
+
+
+def test_resume_with_every_key_on_is_the_uninterrupted_run(tmp_path, builtin_1024):
+    """Calibrated clock (the steps and their progress fixed): the ramp's stages by tokens, then by time, the stepped
+    warm-down inside the budget, NorMuon's moments and both Muon groups through the checkpoint."""
+    ramp = ("schedule.stages=[{at: 0}, {at: 1024 tokens, batch_tokens: 128, lr: 0.35}, "
+            "{at: 0.2, batch_tokens: 256, lr: 0.6}, {at: 0.4, batch_tokens: 512}]")
+    on = ("model.n_layer=4", *ALL_ON[:-1], "optim.warmdown_steps=4", ramp)
+    rows, a, b = whole_and_resumed(tmp_path, on, [62.5, 15.625, 31.25, 62.5])
+    assert rows[0]["stages"] == rows[2]["stages"] and len(rows[0]["stages"].split()) == 4  # every stage entered
     assert a["step"] == b["step"] > 7
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
