@@ -500,11 +500,15 @@ def print_verdict(rows, key_a, key_b, chosen=None):
                                                   max(r.get("time", "") for g in groups for r in g[t])))
     arms = [(kind, group[chosen]) for (kind, _), group in zip(arms, groups)]
     budgets = [arm_rows[0]["budget_s"] for _, arm_rows in arms]  # one recipe: one budget
-    if budgets[0] != budgets[1]:
+    steps = {r.get("steps") for _, arm_rows in arms for r in arm_rows}
+    equal_steps = len(steps) == 1 and all(steps)  # two programs' own time targets on one step-counting clock
+    if budgets[0] != budgets[1] and not equal_steps:
         raise LedgerError(f"arm {key_a!r} ran with a budget of {budgets[0]} s, arm {key_b!r} with {budgets[1]} s: "
-                          f"a verdict compares equal budgets")
+                          f"a verdict compares equal budgets, or runs that all made the same steps")
     print(f"timebase: {chosen}" + (f" (also in common: {'; '.join(t for t in common if t != chosen)}; "
                                    f"pick one with --timebase)" if len(common) > 1 else ""))
+    if budgets[0] != budgets[1]:
+        print(f"equal steps: every run of both arms made {steps.pop()} steps (budgets {budgets[0]} s and {budgets[1]} s)")
     for key, (kind, found) in zip((key_a, key_b), arms):
         print(f"arm {key!r}: {kind}, recipe {found[0].get('recipe') or '?'}, budget {found[0]['budget_s']} s, "
               f"{len(found)} ok runs")

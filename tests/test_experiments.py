@@ -124,8 +124,11 @@ def test_a_config_arm_is_the_recipe_the_file_has_now(tmp_path, capsys):
         ledger.arm(rows[:2] + others, "smoke")
     short = [dict(r, run_id=f"s-{r['run_id']}", recipe="short", budget_s="150", notes="short") for r in rows]
     with pytest.raises(ledger.LedgerError, match="arm 'smoke' ran with a budget of 300 s, arm 'short' with 150 s: "
-                                                 "a verdict compares equal budgets"):
-        ledger.print_verdict(rows + short, "smoke", "short")
+                                                 "a verdict compares equal budgets, or runs that all made the same steps"):
+        ledger.print_verdict([dict(r, steps="100") for r in rows] + [dict(r, steps="90") for r in short], "smoke", "short")
+    # Two programs' own time targets on one step-counting clock: every run made the same steps, so they are judged.
+    ledger.print_verdict([dict(r, steps="100") for r in rows + short], "smoke", "short")
+    assert "equal steps: every run of both arms made 100 steps (budgets 300 s and 150 s)" in capsys.readouterr().out
     ledger.print_verdict(rows + short, "smoke", "old")
     assert f"arm 'smoke': config, recipe {now}, budget 300 s, 3 ok runs" in capsys.readouterr().out
 
