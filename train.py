@@ -957,7 +957,8 @@ class Trainer:
                 if stop:
                     status = "pruned" if self.stop_signal == signal.SIGUSR1 else "interrupted"
                     break
-                if self.train_s >= budget or (max_steps and self.step_count >= max_steps):
+                # A precompile run ends with its plan, however long its steps take (a slow or busy machine).
+                if (self.train_s >= budget and not self.precompile) or (max_steps and self.step_count >= max_steps):
                     break
                 if curve_every and self.train_s >= next_curve:
                     self.curve_point()

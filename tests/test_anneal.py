@@ -278,6 +278,20 @@ def test_resume_mid_schedule_restores_the_stage(tmp_path, builtin_1024, monkeypa
     assert [part.split("@")[0] for part in row["stages"].split()] == ["0", "1", "2"]
 
 
+def test_a_precompile_run_runs_its_whole_plan_however_slow_its_steps(tmp_path, builtin_1024, monkeypatch, capsys):
+    """Each clock reading 10 s later against a budget of 1 s: still each stage's first and steady step, 6 in all."""
+    class SlowClock(StepClock):
+        def perf_counter(self):
+            self.now += 10.0
+            return self.now
+    monkeypatch.setattr(train, "time", SlowClock())
+    args = smoke_args(tmp_path, WIDE, THREE_STAGES, "budget.seconds=1", "budget.max_steps=0", "run.precompile=true")
+    assert train.main(args) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines() if line.startswith("stage:")] == ["stage:0", "stage:1", "stage:2"]
+    assert "precompile status:ok steps:6 " in out
+
+
 LOOP_STAGES = ("mod.granularity=token", "mod.recur=true", "schedule.recur_gate=true",  # a routed, gated loop in two steps
                "schedule.stages=[{at: 0}, {at: 0.3, recur: 2, recur_span: [0, 1]}, {at: 0.6, recur: 3}]")
 

@@ -114,6 +114,7 @@ def test_compile_is_ignored_on_xla(tmp_path, builtin_1024):
     assert int(row["xla_compiles"]) == XLA_GRAPHS and "compiled_graphs" not in row["notes"]
 
 
+@pytest.mark.slow
 def test_two_process_data_parallel_matches_one_process(tmp_path, builtin_1024):
     """Same global batch (512 tokens): 1 process x 2 micro-batches vs 2 ranks x 1, same tokens."""
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

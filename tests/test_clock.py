@@ -58,6 +58,7 @@ def calibrated_run(tmp_path, path, *extra):
     return row, losses
 
 
+@pytest.mark.slow
 def test_a_calibrated_run_repeats_exactly_even_on_a_busy_machine(tmp_path, builtin_1024):
     path = calibration(tmp_path, [62.5])
     first, losses = calibrated_run(tmp_path, path)
@@ -348,6 +349,7 @@ def test_a_calibrated_sweep_calibrates_once_and_its_rows_name_the_calibration(tm
     assert extended["id"] == doc["id"] and len(extended["stages"]) == 2
 
 
+@pytest.mark.slow
 def test_a_calibrated_sweep_runs_jobs_at_once_each_on_its_share_of_the_threads(tmp_path, builtin_1024):
     spec = tmp_path / "pair.yaml"
     text = (f"name: pair\nconfig: {SMOKE}\nseeds: [1, 2]\n"

@@ -153,6 +153,7 @@ def test_a_run_writes_its_learning_curve(tmp_path, builtin_1024):
                                          row["data_sha"])
 
 
+@pytest.mark.slow
 def test_sweep_killed_after_its_first_run_resumes_with_the_missing_three(tmp_path, builtin_1024):
     spec = tmp_path / "tiny.yaml"
     spec.write_text(f"name: tiny\nconfig: {SMOKE}\nseeds: [1, 2]\nbaseline: narrow\n"

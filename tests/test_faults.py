@@ -93,6 +93,7 @@ def test_a_damaged_checkpoint_is_a_named_error(tmp_path, good_checkpoint, capsys
     assert_stopped_before_training(tmp_path)
 
 
+@pytest.mark.slow
 def test_kill_9_at_seeded_points_then_resume_is_exact(tmp_path, builtin_1024):
     """SIGKILL at three seeded points (a step line, then a seeded delay: during a step, a
     checkpoint save or between them), each time resuming from the checkpoint left behind; every
@@ -426,6 +427,7 @@ def start_until_it_waits(command, tmp_path):
     return proc, lines
 
 
+@pytest.mark.slow
 def test_a_sweep_killed_alone_stops_its_run_and_the_rerun_waits_for_it(tmp_path, builtin_1024):
     """kill -9 of sweep.py alone: its train.py gets SIGTERM, finishes its step, checkpoints and writes
     an interrupted row. It is held stopped meanwhile, so that the rerun meets it still running: the
@@ -449,6 +451,7 @@ def test_a_sweep_killed_alone_stops_its_run_and_the_rerun_waits_for_it(tmp_path,
     assert out.count("stale lock") == 1 and f"stale lock {lock} (" in out and not lock.exists()
 
 
+@pytest.mark.slow
 def test_a_run_killed_before_its_sweep_is_reported_and_resumed(tmp_path, builtin_1024):
     """kill -9 of the running train.py, then of its sweep (held stopped in between, so that it cannot
     notice): the rerun says in one line each that it found a stale lock and a checkpoint without a
@@ -474,6 +477,7 @@ def test_a_run_killed_before_its_sweep_is_reported_and_resumed(tmp_path, builtin
     assert f"resumed from {saved['run_id']} at step {saved['step']}" in rows[0]["notes"] and not lock.exists()
 
 
+@pytest.mark.slow
 def test_two_sweeps_never_run_one_pair(tmp_path, builtin_1024):
     """A pair whose lock another process holds (here the test, as a second sweep would) is waited
     for; once that process has finished the pair and let go, the sweep skips it."""

@@ -125,6 +125,7 @@ def test_train_py_imported_by_its_path_from_elsewhere(tmp_path, builtin_1024):
     assert list(elsewhere.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_two_rank_checkpoint_scores_as_the_one_rank_one(tmp_path, builtin_1024):
     """Same global batch: 1 process x 2 micro-batches against 2 gloo ranks x 1; rank 0's checkpoint, loaded on one
     device, gives the 1-rank run's logits (to the reduction order of the gradient all-reduce)."""

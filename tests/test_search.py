@@ -229,6 +229,7 @@ def test_the_table_and_plots_are_rewritten_as_each_trial_ends(tmp_path, builtin_
     assert (tmp_path / "tiny" / f"importance-{worker.mhash}.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_kill_9_then_the_same_command_loses_repeats_and_double_counts_no_trial(tmp_path, builtin_1024):
     """kill -9 of the search while its second trial trains: the trial's run checkpoints and writes an
     interrupted row (its parent's death sends SIGTERM), and stays RUNNING in the study. The same
@@ -269,6 +270,7 @@ def children(pid):
     return [Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode() for child in listed]
 
 
+@pytest.mark.slow
 def test_sigterm_while_a_trial_calibrates_then_the_same_command_calibrates_and_runs_it(tmp_path, builtin_1024):
     """SIGTERM of the search while it calibrates its first trial's shape: it stops as a stop does (exit
     143, no traceback), the trial left RUNNING; the same command takes it over, calibrates it first
@@ -290,6 +292,7 @@ def test_sigterm_while_a_trial_calibrates_then_the_same_command_calibrates_and_r
     assert [r["status"] for r in ledger.read(tmp_path / "ledger.csv")] == ["ok"]
 
 
+@pytest.mark.slow
 def test_two_workers_share_one_study_and_split_its_trials(tmp_path, builtin_1024):
     """Two processes on one journal storage: 4 trials between them, each run once, each by one worker."""
     path = write_search(tmp_path, trials=4)
