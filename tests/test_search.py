@@ -334,7 +334,10 @@ def state(pid):
 
 @pytest.mark.parametrize("ends", ["measured", "killed"])
 def test_a_calibration_pauses_the_running_trials_and_continues_them_however_it_ends(tmp_path, monkeypatch, ends):
-    trial = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # The stand-in trial says when it sleeps: before that a loaded machine may show it reading its files (D).
+    trial = subprocess.Popen([sys.executable, "-c", "import time; print('asleep', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    assert trial.stdout.readline() == "asleep\n"
     seen = []
 
     class Runner:  # stands in for trial_sweep's Sweep: its calibrate() looks at the trial
@@ -359,8 +362,8 @@ def test_a_calibration_pauses_the_running_trials_and_continues_them_however_it_e
                 search.calibrate_main('{"paused": [%d]}' % trial.pid)
         else:
             assert search.calibrate_main('{"paused": [%d]}' % trial.pid) == 0
-        assert seen[0] in "SR" and seen[1] == "T" and state(trial.pid) in "SR"  # stopped while it measured only
+        assert seen[0] != "T" and seen[1] == "T" and state(trial.pid) != "T"  # stopped while it measured only
     finally:
         signal.signal(signal.SIGTERM, handler)
         trial.kill()
-        trial.wait()
+        trial.communicate()
