@@ -227,14 +227,14 @@ def test_batch_size_stage_scales_rows_lr_and_token_counts(tmp_path, builtin_1024
 
 
 class StepClock:
-    """train.py's clock advanced by 0.1 s at every reading: stage switches (functions of elapsed
+    """train.py's clock advanced by `every` seconds (0.1) at every reading: stage switches (functions of elapsed
     time) then come after a fixed number of steps, however fast or busy the machine is."""
 
-    def __init__(self):
-        self.now = 0.0
+    def __init__(self, every=0.1):
+        self.now, self.every = 0.0, every
 
     def perf_counter(self):
-        self.now += 0.1
+        self.now += self.every
         return self.now
 
     def __getattr__(self, name):
@@ -280,11 +280,7 @@ def test_resume_mid_schedule_restores_the_stage(tmp_path, builtin_1024, monkeypa
 
 def test_a_precompile_run_runs_its_whole_plan_however_slow_its_steps(tmp_path, builtin_1024, monkeypatch, capsys):
     """Each clock reading 10 s later against a budget of 1 s: still each stage's first and steady step, 6 in all."""
-    class SlowClock(StepClock):
-        def perf_counter(self):
-            self.now += 10.0
-            return self.now
-    monkeypatch.setattr(train, "time", SlowClock())
+    monkeypatch.setattr(train, "time", StepClock(10.0))
     args = smoke_args(tmp_path, WIDE, THREE_STAGES, "budget.seconds=1", "budget.max_steps=0", "run.precompile=true")
     assert train.main(args) == 0
     out = capsys.readouterr().out

@@ -24,8 +24,14 @@ from test_search import write_search
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = os.environ.get("AION_TEST_POSTGRES")
-needs_server = pytest.mark.skipif(not SERVER, reason="no PostgreSQL server: set AION_TEST_POSTGRES=postgresql://USER:"
-                                                     "PASSWORD@HOST:PORT/DB (a role that may create databases)")
+_no_server = pytest.mark.skipif(not SERVER, reason="no PostgreSQL server: set AION_TEST_POSTGRES=postgresql://USER:"
+                                                   "PASSWORD@HOST:PORT/DB (a role that may create databases)")
+
+
+def needs_server(test):
+    """Skipped without a server, and slow: left out of the README's command, run one at a time by .ci/run (one test
+    restarts the server the others use)."""
+    return pytest.mark.slow(_no_server(test))
 
 
 @pytest.fixture
@@ -87,7 +93,6 @@ def check_every_trial_ran_once(tmp_path, url, trials):
     return counted
 
 
-@pytest.mark.slow
 @needs_server
 def test_two_hosts_split_the_trials_of_one_study(tmp_path, builtin_1024, database, worker):
     path = write_search(tmp_path, trials=4)
@@ -100,7 +105,6 @@ def test_two_hosts_split_the_trials_of_one_study(tmp_path, builtin_1024, databas
     assert {t.user_attrs["host"] for t in counted} == {"a", "b"}, outs  # both ran trials
 
 
-@pytest.mark.slow
 @needs_server
 def test_a_killed_workers_trial_waits_for_its_own_host(tmp_path, builtin_1024, database, worker):
     """kill -9 of host a's worker while its trial trains: host b's worker never takes that trial and
@@ -154,7 +158,6 @@ def pg_ctl(*args):
                    capture_output=True, timeout=300)
 
 
-@pytest.mark.slow
 @needs_server
 @pytest.mark.skipif(not os.environ.get("AION_TEST_POSTGRES_DATA") or not shutil.which("pg_ctl"),
                     reason="the server cannot be restarted from here: set AION_TEST_POSTGRES_DATA to its data folder "
