@@ -1,4 +1,20 @@
 import os
+
+# Set before torch loads (libgomp reads its thread count then), and inherited by every train.py the tests start (runs
+# outside the tests keep their defaults); the figures from an AMD EPYC (family 25 model 17):
+# - One torch thread per process. The README's command runs a test on each core (pytest-xdist), and torch's default
+#   of a thread per core in each spins against the other: tests/test_kit_contract.py at -n 2 took 53 s, 98 CPU-s with
+#   the default and 30 s, 48 CPU-s with one.
+# - Inductor compiles in the run's own process, not in a pool of workers that each start torch again: the
+#   every-item smoke run's cold compile took 86 CPU-s against 93 with a pool of two.
+# - XLA's CPU backend at LLVM optimization level 0 (its default is 3): the same graphs and graph counts, a smoke run's
+#   3 graphs compiled in 3.2 s against 7.0 at level 2. Level 0 moves the every-item run's val_bpb 2e-3 from eager's,
+#   past the tolerance for summation order, and runs a full-size model slower: those tests use `xla_level_2`.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = f"{XLA_FLAGS} --xla_backend_optimization_level=0".strip()
+
 from pathlib import Path
 
 import pytest
@@ -9,11 +25,11 @@ from config import load_config
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = ROOT / "data" / "builtin"  # the default data.path; prepared once, shared with real runs
 
-# XLA's CPU backend at optimization level 2, not its default 3: the same graphs and graph counts, and the block-routed
-# smoke run's 4 graphs compile in 8.3 s instead of 38.6 s (AMD EPYC, family 25 model 17, alone). Level 0 moved the
-# every-item run's val_bpb 2e-3 from eager's, past what the tests allow for summation order; level 2 keeps it inside.
-# Set before torch-xla starts here, and inherited by every train.py the tests start; runs outside the tests keep 3.
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=2"]).strip()
+
+@pytest.fixture
+def xla_level_2(monkeypatch):
+    """XLA's CPU backend at optimization level 2 for the train.py runs this test starts."""
+    monkeypatch.setenv("XLA_FLAGS", f"{XLA_FLAGS} --xla_backend_optimization_level=2".strip())
 
 
 @pytest.fixture(scope="session")

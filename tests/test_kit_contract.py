@@ -160,12 +160,12 @@ def documents(n, seed):
 
 @pytest.fixture(scope="module")
 def kit_task(tmp_path_factory):
-    """A kit-format task: shard_00000..2.parquet (the last the validation shard) and a tokenizer folder trained on
-    the training shards."""
+    """A kit-format task: shard_00000..2.parquet (the last the validation shard: 60 documents, 16,484 tokens, so that
+    scoring all of it stays a small part of a run) and a tokenizer folder trained on the training shards."""
     root = tmp_path_factory.mktemp("kit")
     (root / "data").mkdir()
-    for i in range(3):
-        pq.write_table(pa.table({"text": documents(300, i)}), root / "data" / f"shard_{i:05d}.parquet")
+    for i, n in enumerate((300, 300, 60)):
+        pq.write_table(pa.table({"text": documents(n, i)}), root / "data" / f"shard_{i:05d}.parquet")
     data.train_tiktoken(documents(300, 0) + documents(300, 1), root / "tokenizer", VOCAB)
     return root
 

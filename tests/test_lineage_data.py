@@ -10,8 +10,6 @@ import random
 from collections import Counter
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -21,21 +19,10 @@ import data
 import train
 from config import ConfigError, load_config
 from data import DataError
-from test_kit_contract import ROOT, SMOKE, VOCAB, calibrated, documents, kit_args
+from test_kit_contract import ROOT, SMOKE, calibrated, kit_args, kit_task  # noqa: F401 (a fixture)
 from test_kit_data import BOS, make_docs, write_docs
 
 ORDERS = ("contiguous", "packed")
-
-
-@pytest.fixture(scope="module")
-def kit_task(tmp_path_factory):
-    """test_kit_contract's kit-format task, made as it makes it: shard_00000..2.parquet and a tokenizer folder."""
-    root = tmp_path_factory.mktemp("kit")
-    (root / "data").mkdir()
-    for i in range(3):
-        pq.write_table(pa.table({"text": documents(300, i)}), root / "data" / f"shard_{i:05d}.parquet")
-    data.train_tiktoken(documents(300, 0) + documents(300, 1), root / "tokenizer", VOCAB)
-    return root
 
 
 def loaders(tmp_path, order):

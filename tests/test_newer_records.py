@@ -424,7 +424,7 @@ def test_ablation_switches_each_item_off(tmp_path):
 # -- static graphs, and the whole recipe on ---------------------------------------------------------
 
 @pytest.mark.xla
-def test_every_item_on_xla_compiles_the_same_graphs_whatever_the_tokens(tmp_path, builtin_1024):
+def test_every_item_on_xla_compiles_the_same_graphs_whatever_the_tokens(tmp_path, builtin_1024, xla_level_2):
     """Each step's documents fall elsewhere; the mask is data, not a shape: no graph is added."""
     items = ("model.n_layer=4", *ALL_ON, "run.log_every=2")
     for steps in (4, 8):
@@ -452,7 +452,7 @@ CPU_ALL_ON = (*[o for o in ALL_ON if o != "model.gate_window=8"], "optim.warmdow
 
 
 @pytest.mark.parametrize("backend", ["device.compile=true", pytest.param("device.type=xla", marks=pytest.mark.xla)])
-def test_cpu_windows256_yaml_with_every_item_on_trains(tmp_path, builtin_1024, backend):
+def test_cpu_windows256_yaml_with_every_item_on_trains(tmp_path, builtin_1024, xla_level_2, backend):
     args = ["--config", str(ROOT / "configs" / "cpu_windows256.yaml"), *smoke_args(tmp_path)[2:], *CPU_ALL_ON, backend,
             "budget.max_steps=24", "run.log_every=8", "eval.every_seconds=0", "eval.tokens=16384", "eval.kit_tokens=16384",
             "checkpoint.every_seconds=0", "run.profile_steps=0"]

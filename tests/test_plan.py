@@ -139,7 +139,8 @@ def test_trn2_yaml_under_the_chip_clock_takes_the_chips_steps(capsys, monkeypatc
 
 
 @pytest.mark.xla
-def test_trn2_yaml_trains_on_xla_at_full_shape_with_the_planned_graphs(capsys, monkeypatch, tmp_path, builtin_1024):
+def test_trn2_yaml_trains_on_xla_at_full_shape_with_the_planned_graphs(capsys, monkeypatch, tmp_path, builtin_1024,
+                                                                      xla_level_2):
     """Its 9 x 1024 model at rows of 1,024 for 2 optimizer steps of one row, on the built-in corpus with the kit's kind of
     tokenizer, on the PyTorch-XLA path (README: device.type=xla device.bf16=weights; AION's charge: a one-process run on
     a CPU is no launch the kit scores); one static stage (2 steps never leave the batch ramp's first)."""
