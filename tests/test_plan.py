@@ -139,6 +139,7 @@ def test_trn2_yaml_under_the_chip_clock_takes_the_chips_steps(capsys, monkeypatc
 
 
 @pytest.mark.xla
+@pytest.mark.slow  # a full-size model compiled (tests/README.md)
 def test_trn2_yaml_trains_on_xla_at_full_shape_with_the_planned_graphs(capsys, monkeypatch, tmp_path, builtin_1024,
                                                                       xla_level_2):
     """Its 9 x 1024 model at rows of 1,024 for 2 optimizer steps of one row, on the built-in corpus with the kit's kind of
