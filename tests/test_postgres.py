@@ -29,8 +29,8 @@ _no_server = pytest.mark.skipif(not SERVER, reason="no PostgreSQL server: set AI
 
 
 def needs_server(test):
-    """Skipped without a server, and slow: left out of the README's command, run one at a time by .ci/run (one test
-    restarts the server the others use)."""
+    """Skipped without a server, and slow: left out of the README's command, run by .ci/run with this file's tests on
+    one worker (one test restarts the server the others use)."""
     return pytest.mark.slow(_no_server(test))
 
 
