@@ -1,14 +1,15 @@
 import os
 
 # Set before torch loads (libgomp reads its thread count then), and inherited by every train.py the tests start (runs
-# outside the tests keep their defaults); the figures from an AMD EPYC (family 25 model 17):
+# outside the tests keep their defaults). The figures: CPU seconds (user + system, children included) on an AMD EPYC
+# (family 25 model 17), measured beside two nice-19 runs:
 # - One torch thread per process. The README's command runs a test on each core (pytest-xdist), and torch's default
-#   of a thread per core in each spins against the other: tests/test_kit_contract.py at -n 2 took 53 s, 98 CPU-s with
-#   the default and 30 s, 48 CPU-s with one.
+#   of a thread per core in each spins against the other: tests/test_kit_contract.py at -n 2 took 98 CPU-s with the
+#   default and 48 with one.
 # - Inductor compiles in the run's own process, not in a pool of workers that each start torch again: the
 #   every-item smoke run's cold compile took 86 CPU-s against 93 with a pool of two.
-# - XLA's CPU backend at LLVM optimization level 0 (its default is 3): the same graphs and graph counts, a smoke run's
-#   3 graphs compiled in 3.2 s against 7.0 at level 2. Level 0 moves the every-item run's val_bpb 2e-3 from eager's,
+# - XLA's CPU backend at LLVM optimization level 0 (its default is 3): the same graphs and graph counts; a 4-layer smoke
+#   run on XLA took 13.6 CPU-s against 19.9 at level 2. Level 0 moves the every-item run's val_bpb 2e-3 from eager's,
 #   past the tolerance for summation order, and runs a full-size model slower: those tests use `xla_level_2`.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
