@@ -283,10 +283,10 @@ def test_all_on_xla_compiles_the_graphs_of_the_ema_alone(tmp_path, builtin_1024)
     """MTP weights that fade to 0 after the first steps (optim.mtp_until tiny), the average's update on every
     other step and the prewarm's, the blend's swap in and out: data, not new graphs."""
     levers = ("optim.mtp_weights=[0.5,0.25]", "optim.mtp_until=[0.00002,0.00001]", *ALL_ON[2:], "run.log_every=2")
-    for steps in (4, 8):
-        run(smoke_args(tmp_path, "device.type=xla", *levers, f"budget.max_steps={steps}"))
-    short, long = ledger.read(tmp_path / "ledger.csv")
-    assert int(short["xla_compiles"]) == int(long["xla_compiles"]) == XLA_GRAPHS + 1  # the swap's, as optim.ema's
+    run(smoke_args(tmp_path, "device.type=xla", *levers, "budget.max_steps=8"))
+    long, = ledger.read(tmp_path / "ledger.csv")
+    # The swap's, as optim.ema's; cumulative over the 8 steps (the weights' fade among them), so over any shorter run.
+    assert int(long["xla_compiles"]) == XLA_GRAPHS + 1
     assert float(long["train_s"]) / float(long["budget_s"]) > 0.00002  # its last steps ran with the weights at 0
 
 

