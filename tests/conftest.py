@@ -11,13 +11,8 @@ import os
 # - XLA's CPU backend at LLVM optimization level 0 (its default is 3): the same graphs and graph counts; a 4-layer smoke
 #   run on XLA took 13.6 CPU-s against 19.9 at level 2. Level 0 moves the every-item run's val_bpb 2e-3 from eager's,
 #   past the tolerance for summation order, and runs a full-size model slower: those tests use `xla_level_2`.
-# - Inductor's C++ wrapper (one C++ file a graph, its headers precompiled) instead of its Python wrapper (a C++ file,
-#   headers and all, for each kernel): the same dynamo graphs and counts, the same kernels; the every-item smoke run's
-#   cold compile took 47 CPU-s against 73, with val_bpb equal to the digit. Runs use the Python wrapper (torch's
-#   default): the tests that check the compiled run against eager, or compile a full-size config, use `python_wrapper`.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-os.environ.setdefault("TORCHINDUCTOR_CPP_WRAPPER", "1")
 XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = f"{XLA_FLAGS} --xla_backend_optimization_level=0".strip()
 
@@ -36,12 +31,6 @@ BUILTIN = ROOT / "data" / "builtin"  # the default data.path; prepared once, sha
 def xla_level_2(monkeypatch):
     """XLA's CPU backend at optimization level 2 for the train.py runs this test starts."""
     monkeypatch.setenv("XLA_FLAGS", f"{XLA_FLAGS} --xla_backend_optimization_level=2".strip())
-
-
-@pytest.fixture
-def python_wrapper(monkeypatch):
-    """Inductor's Python wrapper, the one runs use, for the train.py runs this test starts."""
-    monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "0")
 
 
 @pytest.fixture(scope="session")

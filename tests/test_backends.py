@@ -83,7 +83,7 @@ def test_precompile_runs_every_graph_of_the_timed_run(tmp_path, builtin_1024):
     assert counters.get("PersistentCacheHit", 0) + counters.get("PersistentCacheDeserializeFailure", 0) == XLA_GRAPHS
 
 
-def test_compile_matches_eager_and_traces_a_fixed_set_of_graphs(tmp_path, builtin_1024, python_wrapper):
+def test_compile_matches_eager_and_traces_a_fixed_set_of_graphs(tmp_path, builtin_1024):
     """device.compile: the same run as eager up to float summation order, one train graph and one
     eval graph whatever the length, and the first step's compile kept out of the budget."""
     run(smoke_args(tmp_path, "device.compile=true", "budget.max_steps=8"))

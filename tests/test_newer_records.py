@@ -452,8 +452,7 @@ CPU_ALL_ON = (*[o for o in ALL_ON if o != "model.gate_window=8"], "optim.warmdow
 
 @pytest.mark.slow  # a full-size config compiled, on each backend (tests/README.md)
 @pytest.mark.parametrize("backend", ["device.compile=true", pytest.param("device.type=xla", marks=pytest.mark.xla)])
-def test_cpu_windows256_yaml_with_every_item_on_trains(tmp_path, builtin_1024, xla_level_2, python_wrapper,
-                                                       backend):
+def test_cpu_windows256_yaml_with_every_item_on_trains(tmp_path, builtin_1024, xla_level_2, backend):
     args = ["--config", str(ROOT / "configs" / "cpu_windows256.yaml"), *smoke_args(tmp_path)[2:], *CPU_ALL_ON, backend,
             "budget.max_steps=24", "run.log_every=8", "eval.every_seconds=0", "eval.tokens=16384", "eval.kit_tokens=16384",
             "checkpoint.every_seconds=0", "run.profile_steps=0"]
