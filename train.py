@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
@@ -149,6 +150,10 @@ class Backend:
         """device.compile: torch.compile(fn) with static shapes and Python ints, like XLA (a stage is a new graph,
         not a dynamic one); inductor on cpu and cuda, the Neuron backend on neuron, not on XLA (one graph already)."""
         torch._dynamo.config.recompile_limit = 64  # each stage, capacity, train/eval is a graph; past 8 torch runs eagerly
+        # Inductor's CPU kernels fix their OpenMP thread count when generated, and its graph cache does not key on the
+        # count: a run reusing a graph that a one-thread run cached runs it serial (two threads on such a cache: 6.8k
+        # tokens/s against 9.9k, docs/experiments.md "Equal time"). Set in its config, the count is in the cache key.
+        torch._inductor.config.cpp.threads = torch.get_num_threads()
         return torch.compile(fn, backend="neuron" if self.kind == "neuron" else "inductor", dynamic=False)
 
     def autocast(self):

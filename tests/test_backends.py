@@ -181,3 +181,18 @@ def test_trainium_mfu_peak_comes_from_the_table(monkeypatch, lnc, dtype, peak):
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", lnc)
     backend.on_trainium, backend.dtype = True, dtype
     assert backend.peak_flops() == (peak, f"trn2-lnc{lnc} datasheet")
+
+
+def test_compile_puts_the_thread_count_in_inductors_cache_key(monkeypatch):
+    """Inductor's CPU kernels keep the OpenMP thread count they were generated for, and its graph cache does not key
+    on the count, so a graph cached by a one-thread run would run serial in a two-thread one. Backend.compile sets
+    the count in inductor's config, which the cache key covers: another count, another key."""
+    monkeypatch.setattr(torch._inductor.config.cpp, "threads", -1)
+    backend = train.Backend(load_config(SMOKE).device)
+    backend.compile(torch.sin)
+    assert torch._inductor.config.cpp.threads == torch.get_num_threads()
+    keys = []
+    for threads in (1, 2):
+        monkeypatch.setattr(torch._inductor.config.cpp, "threads", threads)
+        keys.append(torch._inductor.config.save_config_portable())
+    assert keys[0] != keys[1] and keys[0]["cpp.threads"] == 1
