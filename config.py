@@ -94,7 +94,6 @@ class ModelConfig:
     key_offset: float
     attn_source_after: int
     attn_source_layers: tuple
-    loss_chunks: int
 
 
 @dataclass(frozen=True)
@@ -320,7 +319,6 @@ CHECKS = {
                                 "[] (= [optim.beta1, optim.beta2]) or two numbers in [0, 1)")
        for group in ("embed", "head", "scalar")},
     "optim.mtp_levels": non_negative, "model.head_init_std": non_negative, "model.mlp_in_init": positive,
-    "model.loss_chunks": non_negative,
     "optim.muon_ns_steps": positive, "optim.embed_lr": non_negative, "optim.head_lr": non_negative,
     "optim.scalar_lr": non_negative, "optim.beta1": fraction, "optim.beta2": fraction,
     "optim.weight_decay": non_negative, "optim.warmup": fraction, "optim.warmdown": fraction,
@@ -760,7 +758,7 @@ RECIPE_IGNORED = frozenset([
 # key is left out of the hash, so a config that does not use it keeps the recipe its earlier rows have.
 RECIPE_NEUTRAL = ("model.value_embed", "model.value_embed_ends", "model.x0_shortcut", "model.x0_init",
                   "model.head_init_std", "model.mlp_in_init", "optim.muon_bf16", "optim.embed_betas", "optim.head_betas",
-                  "optim.scalar_betas", "optim.mtp_levels", "model.loss_chunks", "model.bigram_buckets", "model.unet",
+                  "optim.scalar_betas", "optim.mtp_levels", "model.bigram_buckets", "model.unet",
                   "model.parallel_layers", "optim.ema", "model.doc_mask", "model.smear_gate", "model.gate_window",
                   "model.attn_gate", "model.attn_gate_scale", "model.rope_fraction", "model.ln_scale",
                   "model.skip_gates", "model.xsa_layers", "model.parallel_lanes", "optim.muon_ns",

@@ -640,24 +640,19 @@ class GPT(nn.Module):
         m_k(t) 0 where that target is missing or is masked_target (BOS). Not renormalised by the weights' sum, as
         K82s4. No parameter or matmul is added (flops_per_token, active_params unchanged): MTP computes the
         logits once with the reference head (the fused heads score one target per row); masking alone keeps
-        the configured head. model.loss_chunks > 0 computes the same sum by ChunkedObjective."""
+        the configured head."""
         masked = self.masked_target
         valid = torch.ones_like(targets, dtype=torch.bool) if masked is None else targets != masked  # (B, T)
         count = valid.sum().clamp(min=1)
-        chunks = self.cfg.loss_chunks
-        if not self.mtp and not chunks:
+        if not self.mtp:
             nll = self.kernels.head(x.flatten(0, 1), self.head_weight, targets.flatten(), self.cfg.logit_softcap)
             return (nll * valid.flatten()).sum() / count
         position = torch.arange(targets.size(1), device=targets.device)
         shifts = range(self.mtp + 1)
         columns = torch.stack([targets.roll(-k, 1) for k in shifts], -1)  # (B, T, 1 + mtp): y_{t+k}
         present = torch.stack([valid.roll(-k, 1) & (position < targets.size(1) - k) for k in shifts], -1)
-        weights = torch.cat((torch.ones_like(self.mtp_weight[:1]), self.mtp_weight)) if self.mtp else 1.0
-        if chunks:
-            coef = (present * weights / count).flatten(0, 1)  # (B*T, 1 + mtp)
-            return ChunkedObjective.apply(x.flatten(0, 1), self.head_weight, columns.flatten(0, 1), coef,
-                                          self.cfg.logit_softcap, chunks)
         nll = -self.logits(x).log_softmax(-1).gather(-1, columns)  # (B, T, 1 + mtp)
+        weights = torch.cat((torch.ones_like(self.mtp_weight[:1]), self.mtp_weight))
         return (nll * present * weights).sum() / count
 
     def reset_routing_stats(self):
@@ -674,45 +669,6 @@ class GPT(nn.Module):
         zero = torch.zeros(1, dtype=torch.long, device=self.wte.weight.device)
         agree = sum((r.agree for r in self.routers.values()), zero)
         return agree, sum((r.total for r in self.routers.values()), zero)
-
-
-class ChunkedObjective(torch.autograd.Function):
-    """GPT.objective's sum with model.loss_chunks > 0: the head, its soft-cap and the weighted cross-entropies over
-    row chunks, each chunk's gradients computed in the forward, so that nothing vocab-wide outlives a chunk; the
-    backward scales the saved gradients by the incoming one (the idea of K82s4's _FusedChunkedCE, FrontierForge
-    recipes/K82s4/train.py; written here from the formula). x (N, C), weight (V, C), columns (N, K) targets,
-    coef (N, K) their weights (0 where a target is absent) ->
-        sum_n sum_k coef[n, k] * (logsumexp(z_n) - z_n[columns[n, k]]),   z_n = cap * tanh(x_n W^T / cap)
-    (cap 0: no cap), with d/dz_n = (sum_k coef[n, k]) softmax(z_n) - sum_k coef[n, k] onehot(columns[n, k]) and
-    dz/dl = 1 - (z / cap)^2. The arithmetic of the reference head: the matmuls in the autocast dtype where autocast
-    is on (else x's), the logits and the rest in float32; weight's gradient summed over chunks in float32."""
-
-    @staticmethod
-    def forward(ctx, x, weight, columns, coef, softcap, chunks):
-        kind = x.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-        xm, w = x.to(dtype), weight.to(dtype)
-        total, grad_w, grad_x = torch.zeros((), device=x.device), torch.zeros_like(weight, dtype=torch.float32), []
-        for xc, yc, cc in zip(xm.tensor_split(chunks), columns.tensor_split(chunks), coef.tensor_split(chunks)):
-            z = F.linear(xc, w).float()
-            if softcap > 0:
-                z = softcap * torch.tanh(z / softcap)
-            lse = torch.logsumexp(z, -1, keepdim=True)
-            total = total + (cc * (lse - z.gather(-1, yc))).sum()
-            g = (z - lse).exp() * cc.sum(-1, keepdim=True)
-            g = g.scatter_add(-1, yc, -cc)
-            if softcap > 0:
-                g = g * (1 - (z / softcap) ** 2)
-            g = g.to(dtype)
-            grad_x.append((g @ w).to(x.dtype))
-            grad_w = grad_w + (g.t() @ xc).float()
-        ctx.save_for_backward(torch.cat(grad_x), grad_w.to(weight.dtype))
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad.to(grad_x.dtype), grad_w * grad.to(grad_w.dtype), None, None, None, None
 
 
 def bigram_rows(idx, buckets: int):

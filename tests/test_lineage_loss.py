@@ -5,7 +5,6 @@ blend and prewarm (optim.ema_every, optim.ema_blend, optim.ema_prewarm). Off, th
 are as before, bitwise; on, each is its formula computed by hand; the forward, evaluation and load_for_eval's model
 never see the loss levers; a resumed run with all on is the uninterrupted one to the bit; XLA and torch.compile
 trace no more graphs."""
-import copy
 import dataclasses
 from pathlib import Path
 
@@ -138,65 +137,6 @@ def test_mtp_loss_is_its_formula_by_hand(p, mask):
     with torch.no_grad():
         loss = model.loss(idx, targets)
         assert loss.item() == pytest.approx(by_hand(model, idx, targets, weights, BOS if mask else -1), rel=1e-5)
-
-
-def chunked(model, chunks):
-    """The same model (the same weights) with model.loss_chunks=chunks."""
-    twin = copy.deepcopy(model)
-    twin.cfg = dataclasses.replace(model.cfg, loss_chunks=chunks)
-    return twin
-
-
-def objective_and_grads(model, x, targets):
-    x = x.detach().clone().requires_grad_(True)
-    model.zero_grad()
-    loss = model.objective(x, targets)
-    loss.backward()
-    return loss.detach(), x.grad, model.head_weight.grad
-
-
-@pytest.mark.parametrize("chunks", [1, 3, 7])  # 7 does not divide the 128 rows: unequal chunks
-@pytest.mark.parametrize("mtp, mask, softcap", [(2, True, 15.0), (2, False, 0.0), (0, True, 15.0), (0, False, 30.0)])
-def test_the_chunked_objective_is_the_reference_value_and_gradient(chunks, mtp, mask, softcap):
-    """model.loss_chunks changes how the objective is computed, not what: in float32 its value and the gradients
-    of its input and of the head are the reference's (materialised logits) to float32 rounding."""
-    model = build(mtp=mtp, masked_target=BOS if mask else None)
-    model.cfg = dataclasses.replace(model.cfg, logit_softcap=softcap)
-    model.set_mtp_weights([0.5, 0.25][:mtp])
-    x, targets = torch.randn(2, 64, model.cfg.n_embd), tokens(seed=2, starts=(0, 5, 31, 62, 63))
-    for a, b in zip(objective_and_grads(model, x, targets), objective_and_grads(chunked(model, chunks), x, targets)):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
-
-
-def test_the_chunked_objective_keeps_the_reference_arithmetic_under_bfloat16_autocast():
-    """Under CPU autocast both compute the logits by a bfloat16 matmul and the rest in float32: the loss and the
-    input's gradient agree to float32 summation order; the head's gradient, bfloat16 partial sums added over chunks
-    where the reference rounds one sum, to bfloat16 rounding as a whole (elementwise, entries that cancel to near
-    zero differ relatively by more)."""
-    model = build(mtp=2, masked_target=BOS)
-    model.set_mtp_weights([0.5, 0.25])
-    x, targets = torch.randn(2, 64, model.cfg.n_embd), tokens(seed=2, starts=(0, 5, 31, 62, 63))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        (la, xa, wa), (lb, xb, wb) = (objective_and_grads(m, x, targets) for m in (model, chunked(model, 4)))
-    assert xb.dtype == xa.dtype == torch.float32 and wb.dtype == torch.float32
-    torch.testing.assert_close(lb, la, rtol=1e-6, atol=0)
-    torch.testing.assert_close(xb, xa, rtol=1e-5, atol=1e-7)
-    assert (wb - wa).norm() / wa.norm() < 2 ** -8  # bfloat16's unit roundoff
-
-
-def test_the_chunked_objective_compiles_into_one_graph_with_eager_numbers():
-    """torch.compile traces the autograd.Function whole (fullgraph: no break) and computes what eager computes."""
-    model = chunked(build(mtp=2, masked_target=BOS), 4)
-    model.set_mtp_weights([0.5, 0.25])
-    idx, targets = tokens(), tokens(seed=2, starts=(0, 5, 31, 62, 63))
-    eager = copy.deepcopy(model)
-    compiled = torch.compile(model.loss, fullgraph=True)
-    loss_c, loss_e = compiled(idx, targets), eager.loss(idx, targets)
-    loss_c.backward()
-    loss_e.backward()
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=0)
-    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_bos_targets_are_left_out_of_the_training_loss():
@@ -371,7 +311,6 @@ def test_all_on_compiled_traces_one_train_and_one_eval_graph(tmp_path, builtin_1
     (["optim.ema_blend=1.5"], "optim.ema_blend: expected in [0, 1], got 1.5"),
     (["optim.ema_prewarm=2"], "optim.ema_prewarm: expected bool, got 2"),
     (["optim.mask_bos_targets=maybe"], "optim.mask_bos_targets: expected bool, got 'maybe'"),
-    (["model.loss_chunks=-1"], "model.loss_chunks: expected >= 0, got -1"),
 ])
 def test_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as e:
