@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch._inductor.config
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
@@ -153,7 +152,9 @@ class Backend:
         # Inductor's CPU kernels fix their OpenMP thread count when generated, and its graph cache does not key on the
         # count: a run reusing a graph that a one-thread run cached runs it serial (two threads on such a cache: 6.8k
         # tokens/s against 9.9k, docs/experiments.md "Equal time"). Set in its config, the count is in the cache key.
-        torch._inductor.config.cpp.threads = torch.get_num_threads()
+        # Imported here, not at the top: inductor imports triton, which reads TRITON_INTERPRET once (the tests set it).
+        from torch._inductor import config as inductor_config
+        inductor_config.cpp.threads = torch.get_num_threads()
         return torch.compile(fn, backend="neuron" if self.kind == "neuron" else "inductor", dynamic=False)
 
     def autocast(self):
