@@ -87,12 +87,14 @@ def machine(accelerator="") -> str:
 def stage_key(flat_config: dict, data_sha: str, stage) -> str:
     """A stage's name in a calibration: the recipe without the budget, the schedule and COST_IGNORED,
     with the resolved stage's shape (its depth, MLP width, sequence, tokens per step, capacity). A
-    stage's doc_mask and xsa_layers enter only where they differ from the model's (already in the key)."""
+    stage's doc_mask and xsa_layers enter only where they differ from the model's (already in the key), its mtp only
+    where it leaves out some of optim.mtp_weights' targets."""
     kept = {k: v for k, v in flat_config.items()
             if not k.startswith(("budget.", "schedule.")) and k not in COST_IGNORED}
     shape = {k: v for k, v in dataclasses.asdict(stage).items() if k not in ("at", "at_tokens", "attn_scale", "mlp_scale", "lr")
              and not (k in ("recur", "recur_span") and stage.recur == 1)  # no loop: the key it had before loops
-             and not (k in ("doc_mask", "xsa_layers") and v == flat_config[f"model.{k}"])}
+             and not (k in ("doc_mask", "xsa_layers") and v == flat_config[f"model.{k}"])
+             and not (k == "mtp" and v == len(flat_config["optim.mtp_weights"]))}
     return recipe({**kept, "stage": shape}, data_sha)
 
 

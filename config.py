@@ -167,7 +167,10 @@ class Stage:
     xsa_layers: model.doc_mask and model.xsa_layers in this stage. lr: the factor of every group's LR
     in this stage; where a stage leaves it out (it does not carry over) sqrt(batch_tokens /
     optim.batch_tokens), the square-root rule for adaptive optimizers (Malladi et al. 2022, arXiv
-    2205.10287). FrontierForge K82s4's batch ramp sets its own: a quarter batch at 0.35, a half at 0.6."""
+    2205.10287). FrontierForge K82s4's batch ramp sets its own: a quarter batch at 0.35, a half at 0.6.
+    mtp: the extra targets of optim.mtp_weights the training objective computes in this stage, the first mtp
+    (default all); one left out must have faded (optim.mtp_until) by the stage, so the objective is the same
+    function, its logits materialised for fewer targets or, at 0, not at all (the configured fused head)."""
     at: float
     depth: int
     mlp_hidden: int
@@ -182,6 +185,7 @@ class Stage:
     doc_mask: bool = False
     xsa_layers: int = 0
     lr: float = 1.0
+    mtp: int = 0
 
     @property
     def loop_layers(self) -> int:
@@ -603,7 +607,7 @@ def resolve_stages(cfg: Config) -> tuple:
     """schedule.stages -> Stage tuple, each checked against the model; no stages = one static stage."""
     m, full_hidden = cfg.model, cfg.model.mlp_mult * cfg.model.n_embd
     previous = Stage(0.0, m.n_layer, full_hidden, cfg.data.seq_len, 1.0, 1.0, cfg.mod.capacity, cfg.optim.batch_tokens,
-                     doc_mask=m.doc_mask, xsa_layers=m.xsa_layers)
+                     doc_mask=m.doc_mask, xsa_layers=m.xsa_layers, mtp=len(cfg.optim.mtp_weights))
     if not cfg.schedule.stages:
         if cfg.mod.recur:
             raise ConfigError("mod.recur: routes the extra passes of a loop, but no schedule stage sets recur > 1")
@@ -677,6 +681,12 @@ def resolve_stages(cfg: Config) -> tuple:
             (stage.recur > 1 and m.unet, "recur: a loop is not defined with model.unet's skips"),
             (stage.recur > 1 and m.parallel_lanes == 2, "recur: a loop is not defined with model.parallel_lanes=2"),
             (not 0 <= stage.xsa_layers <= m.n_layer, f"xsa_layers: expected 0..{m.n_layer} (at most model.n_layer)"),
+            (not 0 <= stage.mtp <= len(cfg.optim.mtp_weights),
+             f"mtp: expected 0..{len(cfg.optim.mtp_weights)} (the extra targets of optim.mtp_weights it computes)"),
+            (stage.mtp < len(cfg.optim.mtp_weights) and (at_tokens or any(
+                until > at for until in cfg.optim.mtp_until[stage.mtp:])),
+             f"mtp: the extra targets after the first {stage.mtp} are left out only once their weights have faded: "
+             f"expected a stage switched by time at or after optim.mtp_until {list(cfg.optim.mtp_until[stage.mtp:])}"),
         ]
         for failed, message in problems:
             if failed:

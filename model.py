@@ -407,6 +407,7 @@ class GPT(nn.Module):
         if bos is not None:
             self.register_buffer("bos", torch.as_tensor(bos))  # an id, or a checkpoint's buffer
         self.mtp, self.masked_target = mtp, masked_target
+        self.mtp_computed = mtp  # the first extra targets the objective computes now (a stage's mtp: train.set_stage)
         if mtp:  # the extra targets' weights (set_mtp_weights): a buffer, so a new value is data, not a new graph
             self.register_buffer("mtp_weight", torch.zeros(mtp), persistent=False)
         self.doc_mask = False  # attention within documents (model.doc_mask, a stage may switch it; set by set_active)
@@ -640,19 +641,21 @@ class GPT(nn.Module):
         m_k(t) 0 where that target is missing or is masked_target (BOS). Not renormalised by the weights' sum, as
         K82s4. No parameter or matmul is added (flops_per_token, active_params unchanged): MTP computes the
         logits once with the reference head (the fused heads score one target per row); masking alone keeps
-        the configured head."""
+        the configured head. Only the first mtp_computed extra targets are computed (a stage leaves out those
+        whose weights have faded to 0: the same value, less work); with none, the configured head."""
         masked = self.masked_target
         valid = torch.ones_like(targets, dtype=torch.bool) if masked is None else targets != masked  # (B, T)
         count = valid.sum().clamp(min=1)
-        if not self.mtp:
+        k = self.mtp_computed
+        if not k:
             nll = self.kernels.head(x.flatten(0, 1), self.head_weight, targets.flatten(), self.cfg.logit_softcap)
             return (nll * valid.flatten()).sum() / count
         position = torch.arange(targets.size(1), device=targets.device)
-        shifts = range(self.mtp + 1)
+        shifts = range(k + 1)
         columns = torch.stack([targets.roll(-k, 1) for k in shifts], -1)  # (B, T, 1 + mtp): y_{t+k}
         present = torch.stack([valid.roll(-k, 1) & (position < targets.size(1) - k) for k in shifts], -1)
         nll = -self.logits(x).log_softmax(-1).gather(-1, columns)  # (B, T, 1 + mtp)
-        weights = torch.cat((torch.ones_like(self.mtp_weight[:1]), self.mtp_weight))
+        weights = torch.cat((torch.ones_like(self.mtp_weight[:1]), self.mtp_weight[:k]))
         return (nll * present * weights).sum() / count
 
     def reset_routing_stats(self):

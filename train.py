@@ -345,11 +345,12 @@ def load_for_eval(checkpoint_path, device) -> torch.nn.Module:
 
 
 def set_stage(model: GPT, cfg: Config, stage):
-    """The model's active layers, MLP width, attention options, capacity and loop in a stage."""
+    """The model's active layers, MLP width, attention options, capacity, loop and extra targets in a stage."""
     model.set_active(depth_order(cfg.model.n_layer, cfg.schedule.grow_depth)[:stage.depth], stage.mlp_hidden,
                      stage.doc_mask, stage.xsa_layers)
     model.set_capacity(stage.capacity)
     model.set_recursion(stage.recur_span, stage.recur)
+    model.mtp_computed = min(stage.mtp, model.mtp)
 
 
 def stage_flops(cfg: Config, model: GPT, stage) -> float:

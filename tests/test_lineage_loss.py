@@ -198,6 +198,79 @@ def test_evaluation_and_load_for_eval_score_the_next_token_only(tmp_path, builti
     plain.loader.close()
 
 
+# -- a stage's mtp: the extra targets whose weights have faded, left out --------------------------------
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_leaving_out_faded_targets_keeps_the_objective_and_its_gradients(mask):
+    """The objective computed for fewer extra targets (a stage's mtp) once the others weigh 0 is the one computed for
+    all, value and gradients, to float32 rounding (fewer terms summed; at 0 the configured head's NLL instead of the
+    reference logits'); at 0 the vocabulary-wide logits are never materialised."""
+    model = build(mtp=2, masked_target=BOS if mask else None)
+    idx, targets = tokens(), tokens(seed=2, starts=(0, 5, 31, 62, 63))
+
+    def objective(computed):
+        model.mtp_computed = computed
+        model.zero_grad()
+        loss = model.loss(idx, targets)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    for weights, computed in (([0.4, 0.0], 1), ([0.0, 0.0], 1), ([0.0, 0.0], 0)):
+        model.set_mtp_weights(weights)
+        (want, want_grads), (got, got_grads) = objective(2), objective(computed)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+        for g, w in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    model.set_mtp_weights([0.4, 0.0])
+    assert objective(1)[0] != objective(0)[0]  # a weight not yet 0 counts: leaving it out would change the loss
+    model.logits = lambda x: pytest.fail("logits materialised with no extra target computed")
+    objective(0)
+
+
+def stages_of(*entries, mtp=LINEAGE_MTP):
+    return config.resolve_stages(load_config(SMOKE, [*mtp, f"schedule.stages=[{{at: 0}}, {', '.join(entries)}]"]))
+
+
+def test_a_stage_leaves_out_only_extra_targets_that_have_faded():
+    assert config.resolve_stages(load_config(SMOKE, LINEAGE_MTP))[0].mtp == 2  # every target, by default
+    assert config.resolve_stages(load_config(SMOKE))[0].mtp == 0
+    assert [s.mtp for s in stages_of("{at: 0.1}", "{at: 0.2, mtp: 1}", "{at: 0.45, mtp: 0}")] == [2, 2, 1, 0]
+    for entry, message in (("{at: 0.3, mtp: 0}", r"optim.mtp_until \[0.45, 0.2\]"),
+                           ("{at: 0.1, mtp: 1}", r"optim.mtp_until \[0.2\]"),
+                           ("{at: '163840 tokens', mtp: 1}", "a stage switched by time"),
+                           ("{at: 0.5, mtp: 3}", r"expected 0..2")):
+        with pytest.raises(ConfigError, match=rf"schedule.stages\[1\]\.mtp: .*{message}"):
+            stages_of(entry)
+    with pytest.raises(ConfigError, match=r"\.mtp: expected 0..0"):
+        stages_of("{at: 0.5, mtp: 1}", mtp=())
+
+
+def test_a_stage_without_the_extra_targets_is_a_shape_of_its_own_in_a_calibration():
+    c = load_config(SMOKE, [*LINEAGE_MTP, "schedule.stages=[{at: 0}, {at: 0.3}, {at: 0.45, mtp: 0}]"])
+    flat, stages = config.flatten(dataclasses.asdict(c)), config.resolve_stages(c)
+    keys = [clock.stage_key(flat, "data", s) for s in stages]
+    assert keys[0] == keys[1] != keys[2]
+    # Every target computed, a stage keeps the key it had before stages carried mtp: configs/cpu.yaml's (MTP on)
+    # are those its committed calibration of issue 50 holds.
+    cpu = load_config(ROOT / "configs" / "cpu.yaml", ["eval.every_seconds=0"])
+    flat, data_sha = config.flatten(dataclasses.asdict(cpu)), "a576fab86bae-v2-tiktoken"  # its rows' data_sha
+    committed = clock.read(ROOT / "sweeps" / "task_confirm_t47" / "calibration-5d4fbf4b.json")["stages"]
+    assert all(clock.stage_key(flat, data_sha, s) in committed for s in config.resolve_stages(cpu))
+
+
+def test_set_stage_sets_the_targets_computed_and_the_scored_model_has_none(tmp_path, builtin_1024):
+    t = trainer(tmp_path, *LOSS_ON, "schedule.stages=[{at: 0}, {at: 0.45, mtp: 0}]")
+    assert t.model.mtp == 2 and t.model.mtp_computed == 2
+    train.set_stage(t.model, t.cfg, t.stages[1])
+    assert t.model.mtp_computed == 0
+    train.set_stage(t.model, t.cfg, t.stages[0])
+    assert t.model.mtp_computed == 2
+    path = tmp_path / "mtp.pt"
+    train.save_checkpoint(path, t.state())
+    t.loader.close()
+    assert train.load_for_eval(path, "cpu").mtp_computed == 0
+
+
 # -- the EMA: interval, prewarm, blend --------------------------------------------------------------
 
 def test_ema_weight_is_the_lineage_schedule():
