@@ -4,7 +4,7 @@ train.py calls append(path, row) at the end of every run; people read the ledger
     python ledger.py show [-n N] [--path ledger.csv]
     python ledger.py compare RUN_A RUN_B [--path ledger.csv]
     python ledger.py verdict ARM_A ARM_B [--path ledger.csv]
-    python ledger.py plot curves [LABEL=]ARM [...] --out curves.png [--runs-dir runs] [--val-only]
+    python ledger.py plot curves [LABEL=]ARM[+ARM...] [...] --out curves.png [--runs-dir runs] [--val-only]
     python ledger.py plot variants SWEEP --out variants.png
     python ledger.py migrate PATH   (an older schema -> PATH's name with .migrated.csv, beside it)
     python ledger.py merge A.csv B.csv ... --out ledger.csv   (hosts' ledgers -> one, each run once)
@@ -596,7 +596,8 @@ def main(argv=None):
     plot_parser = commands.add_parser("plot", help="PNG plots: learning curves of arms, or val_bpb per sweep variant")
     plot_parser.add_argument("what", choices=("curves", "variants"))
     plot_parser.add_argument("names", nargs="+", help="curves: arms (each named as for verdict, "
-                             "labelled LABEL where written LABEL=ARM); variants: a sweep name")
+                             "labelled LABEL where written LABEL=ARM; ARM+ARM draws their runs as one); variants: a "
+                             "sweep name")
     plot_parser.add_argument("--out", required=True, help="PNG file to write")
     plot_parser.add_argument("--runs-dir", default="runs", help="where the runs' metrics.jsonl are (run.out_dir)")
     plot_parser.add_argument("--val-only", action="store_true", help="curves: val_bpb only (a training loss does not "
@@ -647,9 +648,9 @@ def main(argv=None):
             print_verdict(rows, args.arm_a, args.arm_b, args.timebase)
         elif args.what == "curves":
             arms = {}
-            for name in args.names:
+            for name in args.names:  # [LABEL=]ARM[+ARM...]: one label over several arms' runs
                 label, _, key = name.rpartition("=")
-                arms[label or key] = arm(rows, key)[1]
+                arms[label or key] = [r for part in key.split("+") for r in arm(rows, part)[1]]
             plot_curves(arms, args.out, args.runs_dir, args.val_only)
         else:
             sweep = [r for r in rows if r.get("sweep") == args.names[0] and r["status"] == "ok" and r["val_bpb"]]

@@ -277,6 +277,10 @@ def test_plot_command_writes_pngs(tmp_path, monkeypatch):
                         "--path", str(tmp_path / "ledger.csv")]) == 0
     assert {label: [r["run_id"] for r in rows] for label, rows in drawn.items()} == {
         "configs/cpu.yaml": ["run-0", "run-1"], "s/b": ["run-2", "run-3"]}
+    drawn.clear()  # ARM+ARM: the runs of each, under one label (one recipe's runs that no one key names)
+    assert ledger.main(["plot", "curves", "one=s/a+run-3", "--out", str(tmp_path / "c.png"),
+                        "--path", str(tmp_path / "ledger.csv")]) == 0
+    assert {label: [r["run_id"] for r in rows] for label, rows in drawn.items()} == {"one": ["run-0", "run-1", "run-3"]}
 
 
 def test_crossing_finds_where_curves_leave_their_final_order(tmp_path):

@@ -5,6 +5,7 @@ repository: the test that needs it skips unless AION_LINEAGE_SCRIPT names a copy
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -232,6 +233,7 @@ def compute_dtype_for(device):
     return torch.float32
 print('saw', os.environ['FF_DEPTH'], os.environ['OMP_NUM_THREADS'], prepare.TRAIN_TIME_BUDGET_SECONDS,
       prepare.ensure_tokenizer().get_vocab_size(), compute_dtype_for(torch.device('cpu')))
+print('inductor cache', os.environ['TORCHINDUCTOR_CACHE_DIR'])
 raise SystemExit(int(os.environ['EXIT']))
 """
 
@@ -250,8 +252,10 @@ def test_a_failed_run_is_named_and_recorded(tmp_path, monkeypatch, capsys):
     assert torch.get_num_threads() == threads  # --threads is the script's: this process (pytest's) keeps its own
     out, err = capsys.readouterr()
     assert f"saw 4 {threads} 20.0 8192 {dtype}" in out and "error: the script exited with code 3; its last lines:\nsaw 4" in err
+    assert re.search(rf"inductor cache .*{os.sep}threads-{threads}\n", out)  # its compiled kernels' thread count
     assert lineage_run.main(args + ["--dtype", "script", "--threads", "1"]) == 1
-    assert "saw 4 1 20.0 8192 torch.float32" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "saw 4 1 20.0 8192 torch.float32" in out and re.search(rf"inductor cache .*{os.sep}threads-1\n", out)
     monkeypatch.setenv("EXIT", "0")
     assert lineage_run.main(args) == 1
     assert "final.pt: the script exited 0 but saved no checkpoint" in capsys.readouterr().err

@@ -250,9 +250,9 @@ def test_a_stage_without_the_extra_targets_is_a_shape_of_its_own_in_a_calibratio
     flat, stages = config.flatten(dataclasses.asdict(c)), config.resolve_stages(c)
     keys = [clock.stage_key(flat, "data", s) for s in stages]
     assert keys[0] == keys[1] != keys[2]
-    # Every target computed, a stage keeps the key it had before stages carried mtp: configs/cpu.yaml's (MTP on)
+    # Every target computed, a stage keeps the key it had before stages carried mtp: configs/cpu_t47.yaml's (MTP on)
     # are those its committed calibration of issue 50 holds.
-    cpu = load_config(ROOT / "configs" / "cpu.yaml", ["eval.every_seconds=0"])
+    cpu = load_config(ROOT / "configs" / "cpu_t47.yaml", ["eval.every_seconds=0"])
     flat, data_sha = config.flatten(dataclasses.asdict(cpu)), "a576fab86bae-v2-tiktoken"  # its rows' data_sha
     committed = clock.read(ROOT / "sweeps" / "task_confirm_t47" / "calibration-5d4fbf4b.json")["stages"]
     assert all(clock.stage_key(flat, data_sha, s) in committed for s in config.resolve_stages(cpu))
