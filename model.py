@@ -646,16 +646,16 @@ class GPT(nn.Module):
         masked = self.masked_target
         valid = torch.ones_like(targets, dtype=torch.bool) if masked is None else targets != masked  # (B, T)
         count = valid.sum().clamp(min=1)
-        k = self.mtp_computed
-        if not k:
+        computed = self.mtp_computed
+        if not computed:
             nll = self.kernels.head(x.flatten(0, 1), self.head_weight, targets.flatten(), self.cfg.logit_softcap)
             return (nll * valid.flatten()).sum() / count
         position = torch.arange(targets.size(1), device=targets.device)
-        shifts = range(k + 1)
+        shifts = range(computed + 1)
         columns = torch.stack([targets.roll(-k, 1) for k in shifts], -1)  # (B, T, 1 + mtp): y_{t+k}
         present = torch.stack([valid.roll(-k, 1) & (position < targets.size(1) - k) for k in shifts], -1)
         nll = -self.logits(x).log_softmax(-1).gather(-1, columns)  # (B, T, 1 + mtp)
-        weights = torch.cat((torch.ones_like(self.mtp_weight[:1]), self.mtp_weight[:k]))
+        weights = torch.cat((torch.ones_like(self.mtp_weight[:1]), self.mtp_weight[:computed]))
         return (nll * present * weights).sum() / count
 
     def reset_routing_stats(self):
