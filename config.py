@@ -605,9 +605,9 @@ def switch_point(value, key: str, seconds: float) -> tuple:
 
 def resolve_stages(cfg: Config) -> tuple:
     """schedule.stages -> Stage tuple, each checked against the model; no stages = one static stage."""
-    m, full_hidden = cfg.model, cfg.model.mlp_mult * cfg.model.n_embd
+    m, full_hidden, extra = cfg.model, cfg.model.mlp_mult * cfg.model.n_embd, len(cfg.optim.mtp_weights)
     previous = Stage(0.0, m.n_layer, full_hidden, cfg.data.seq_len, 1.0, 1.0, cfg.mod.capacity, cfg.optim.batch_tokens,
-                     doc_mask=m.doc_mask, xsa_layers=m.xsa_layers, mtp=len(cfg.optim.mtp_weights))
+                     doc_mask=m.doc_mask, xsa_layers=m.xsa_layers, mtp=extra)
     if not cfg.schedule.stages:
         if cfg.mod.recur:
             raise ConfigError("mod.recur: routes the extra passes of a loop, but no schedule stage sets recur > 1")
@@ -681,10 +681,9 @@ def resolve_stages(cfg: Config) -> tuple:
             (stage.recur > 1 and m.unet, "recur: a loop is not defined with model.unet's skips"),
             (stage.recur > 1 and m.parallel_lanes == 2, "recur: a loop is not defined with model.parallel_lanes=2"),
             (not 0 <= stage.xsa_layers <= m.n_layer, f"xsa_layers: expected 0..{m.n_layer} (at most model.n_layer)"),
-            (not 0 <= stage.mtp <= len(cfg.optim.mtp_weights),
-             f"mtp: expected 0..{len(cfg.optim.mtp_weights)} (the extra targets of optim.mtp_weights it computes)"),
-            (stage.mtp < len(cfg.optim.mtp_weights) and (at_tokens or any(
-                until > at for until in cfg.optim.mtp_until[stage.mtp:])),
+            (not 0 <= stage.mtp <= extra,
+             f"mtp: expected 0..{extra} (the extra targets of optim.mtp_weights it computes)"),
+            (stage.mtp < extra and (at_tokens or any(until > at for until in cfg.optim.mtp_until[stage.mtp:])),
              f"mtp: the extra targets after the first {stage.mtp} are left out only once their weights have faded: "
              f"expected a stage switched by time at or after optim.mtp_until {list(cfg.optim.mtp_until[stage.mtp:])}"),
         ]

@@ -9,9 +9,9 @@ part of this repository.
 
 The script runs as one process (a world of 1) on --threads threads (OMP_NUM_THREADS; default torch's here, as
 train.py runs; the scoring after it, untimed, keeps this process's threads; its torch.compile cache in a folder of
-that count, TORCHINDUCTOR_CACHE_DIR=<inductor's cache>/threads-N, as kernels compiled for one count run at it), with tools/kit_prepare on PYTHONPATH as
-the kit's prepare.py over the config's data (AION_KIT_DATA; the built-in corpus is prepared on first use, as
-train.py does) and these of its FF_* settings from the config:
+that count, TORCHINDUCTOR_CACHE_DIR=<inductor's cache>/threads-N, as kernels compiled for one count run at it), with
+tools/kit_prepare on PYTHONPATH as the kit's prepare.py over the config's data (AION_KIT_DATA; the built-in corpus
+is prepared on first use, as train.py does) and these of its FF_* settings from the config:
 - the shape: model.n_layer (FF_DEPTH), model.n_embd / model.n_head (FF_HEAD_DIM), n_embd / n_layer (FF_ASPECT_RATIO:
   its width is depth x aspect rounded up to whole heads), model.n_kv_head (FF_KV_HEADS), optim.batch_tokens
   (FF_TOTAL_BATCH) in micro-batches of optim.micro_batch rows (FF_MB) of data.seq_len, which must be its SEQ_LEN of
@@ -370,10 +370,12 @@ def main(argv=None) -> int:
     run_dir.mkdir(parents=True)
     # The script's torch.compile caches CPU kernels whose OpenMP thread count is fixed when they are generated, under
     # a key without that count (torch 2.9; train.Backend.compile puts it in AION's): one cache folder per count.
+    # Imported here, as in train.Backend.compile: inductor loaded at import time would load triton under the tests.
     from torch._inductor.runtime.cache_dir_utils import cache_dir
+    inductor_cache = os.path.join(cache_dir(), f"threads-{args.threads}")
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     env.update(settings, **kit_env(folder, args.seconds, run_dir), NEURON_COMPETITION_R1_OUT_DIR=str(run_dir),
-               OMP_NUM_THREADS=str(args.threads), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir(), f"threads-{args.threads}"),
+               OMP_NUM_THREADS=str(args.threads), TORCHINDUCTOR_CACHE_DIR=inductor_cache,
                PYTHONPATH=os.pathsep.join([str(SHIM), *filter(None, [os.environ.get("PYTHONPATH")])]))
     script_sha, ran = hashlib.sha256(script.read_bytes()).hexdigest(), script
     if source is not None:
