@@ -329,3 +329,45 @@ def test_equal_steps_need_a_clock_made_elsewhere_and_steps(tmp_path, capsys):
     assert "expected a calibration made elsewhere with one cost for every step" in capsys.readouterr().err
     assert equal_steps.main(["8", "--out", str(clock_file)]) == 2
     assert not (tmp_path / "runs").exists() and not (tmp_path / "ledger.csv").exists()
+
+
+ROWS_STAND_IN = """import os, torch
+STREAM_MIX, DEVICE_BATCH_SIZE, TRAIN_SEQ = int(os.environ["FF_STREAM_MIX"]), int(os.environ["FF_MB"]), 1024
+def compute_dtype_for(device):
+    return torch.float32
+class Tokenizer:
+    def get_bos_token_id(self):
+        return 5
+def ensure_tokenizer():
+    return Tokenizer()
+def make_train_stream_loader(tokenizer, batch, seq, device, world):
+    step = 0
+    while True:
+        rows = (torch.arange(batch * (seq + 1)).view(batch, seq + 1) + 1000 * step + int(os.environ["FF_SEED"])) % 8192
+        y = rows[:, 1:].clone()
+        y[0, -1] = -1  # a masked BOS target
+        yield rows[:, :-1].int(), y, None
+        step += 1
+"""
+
+
+def test_rows_only_writes_the_rows_of_the_steps_without_a_run(tmp_path, monkeypatch, capsys):
+    """A stand-in for the script's training loader: --rows-only writes the rows of --steps full batches (the
+    micro-batches' rows in order, each its inputs and last target, a masked BOS target BOS again), trains nothing,
+    appends no row; it needs --steps."""
+    script = tmp_path / "train.py"
+    script.write_text(ROWS_STAND_IN)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # record_rows sets the FF_* variables in this process
+    out = tmp_path / "rows.bin"
+    base = ["--script", str(script), "--seed", "9", "optim.micro_batch=2", "schedule.stages=[]",
+            f"data.path={ROOT / 'data' / 'builtin'}", f"ledger.path={tmp_path / 'ledger.csv'}",
+            f"run.out_dir={tmp_path / 'runs'}"]
+    assert lineage_run.main(base + ["--rows-only", str(out)]) == 2
+    assert f"--rows-only {out}: expected --steps N" in capsys.readouterr().err
+    assert lineage_run.main(base + ["--rows-only", str(out), "--steps", "3"]) == 0
+    rows = data.load_shard(out).reshape(-1, 1025)
+    assert rows.shape == (3 * 8192 // 1024, 1025)  # 3 steps of 8,192 tokens: 12 micro-batches of 2 rows
+    expected = (np.arange(2 * 1025).reshape(2, 1025)[None] + 1000 * np.arange(12)[:, None, None] + 9) % 8192
+    expected[:, 0, -1] = 5
+    assert np.array_equal(rows, expected.reshape(-1, 1025))
+    assert not (tmp_path / "ledger.csv").exists() and not (tmp_path / "runs").exists()

@@ -5,6 +5,7 @@ part of this repository.
 
     python -m tools.lineage_run --script PATH/TO/K82s4/train.py [--seconds 600] [--seed 73] [--threads N]
                                 [--dtype aion|script|bfloat16|float32] [--clock FILE --steps N] [--record-rows]
+                                [--rows-only FILE --steps N]
                                 [--config configs/cpu_lineage.yaml] [--name K82s4] [key.sub=value ...]
 
 The script runs as one process (a world of 1) on --threads threads (OMP_NUM_THREADS; default torch's here, as
@@ -52,7 +53,8 @@ batch_tokens / SEQ_LEN rows its own training loader (make_train_stream_loader ov
 imported from the script with the run's settings and run apart from training. Its rows depend on the documents, its
 seed and those settings alone (its streams, its row pool and its generator's seed), not on training, so they are the
 rows the run drew, micro-batch after micro-batch; each row is its inputs and the last target (its masked BOS
-targets, -1, are BOS again).
+targets, -1, are BOS again). `--rows-only FILE --steps N` writes the same rows of N steps to FILE without the run
+(no row in the ledger): the rows a replay needs without the script's training.
 
 The score: final.pt loaded through the script's own load_for_eval (the script imported by its path, in the run's
 environment), its rotary tables extended to the windows scored (it builds them for its rows and refuses longer
@@ -319,6 +321,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=0, help="with --clock: stop after this many optimizer steps")
     parser.add_argument("--record-rows", action="store_true",
                         help="write run_dir/rows.bin, the rows it trained on, for train.py's data.order=replay")
+    parser.add_argument("--rows-only", default="", metavar="FILE",
+                        help="write FILE, the rows --record-rows writes after --steps steps, without the run")
     parser.add_argument("--config", default=str(ROOT / "configs" / "cpu_lineage.yaml"), help="shape, data, eval, run, ledger")
     parser.add_argument("--name", default="", help="the row's config is lineage:NAME; default the script's folder name")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides; later ones win")
@@ -340,7 +344,9 @@ def main(argv=None) -> int:
         if not args.seconds > 0 or args.threads < 1 or not 0 <= args.seed < 2 ** 63:
             raise ConfigError(f"expected --seconds > 0, --threads >= 1, --seed >= 0; got {args.seconds:g}, "
                               f"{args.threads}, {args.seed}")
-        if bool(args.clock) != (args.steps > STARTUP_EXCLUDED):
+        if args.rows_only and args.steps < 1:
+            raise ConfigError(f"--rows-only {args.rows_only}: expected --steps N, the steps whose rows it writes")
+        if not args.rows_only and bool(args.clock) != (args.steps > STARTUP_EXCLUDED):
             raise ConfigError(f"--clock {args.clock or '(none)'} --steps {args.steps}: equal steps need both, a "
                               f"calibration made elsewhere and more than its {STARTUP_EXCLUDED} startup steps")
         virtual = virtual_step_seconds(args.clock) if args.clock else None
@@ -364,6 +370,13 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    if args.rows_only:  # the rows depend on the documents and the FF_* settings alone (record_rows), not on a run
+        out = Path(args.rows_only)
+        record_rows(script, {**{k: v for k, v in settings.items() if k.startswith("FF_")},
+                             **kit_env(folder, args.seconds, out.with_suffix(".steps.log"))},
+                    out, args.steps * cfg.optim.batch_tokens // SEQ_LEN)
+        print(f"rows:{out} steps:{args.steps} seed:{args.seed} script:{script}", flush=True)
+        return 0
     name = args.name or script.parent.name
     run_id = f"lineage-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
     run_dir = (Path(cfg.run.out_dir) / run_id).resolve()
