@@ -358,7 +358,7 @@ def test_rows_only_writes_the_rows_of_the_steps_without_a_run(tmp_path, monkeypa
     script = tmp_path / "train.py"
     script.write_text(ROWS_STAND_IN)
     monkeypatch.setattr(os, "environ", dict(os.environ))  # record_rows sets the FF_* variables in this process
-    out = tmp_path / "rows.bin"
+    out = tmp_path / "rows" / "rows.bin"
     base = ["--script", str(script), "--seed", "9", "optim.micro_batch=2", "schedule.stages=[]",
             f"data.path={ROOT / 'data' / 'builtin'}", f"ledger.path={tmp_path / 'ledger.csv'}",
             f"run.out_dir={tmp_path / 'runs'}"]
@@ -371,3 +371,6 @@ def test_rows_only_writes_the_rows_of_the_steps_without_a_run(tmp_path, monkeypa
     expected[:, 0, -1] = 5
     assert np.array_equal(rows, expected.reshape(-1, 1025))
     assert not (tmp_path / "ledger.csv").exists() and not (tmp_path / "runs").exists()
+    script.write_text(ROWS_STAND_IN.replace('int(os.environ["FF_STREAM_MIX"])', "0"))  # its rows off the streams
+    assert lineage_run.main(base + ["--rows-only", str(out), "--steps", "3"]) == 2
+    assert "trains on its stream rows only with FF_STREAM_MIX > 0" in capsys.readouterr().err

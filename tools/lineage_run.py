@@ -318,7 +318,8 @@ def arguments() -> argparse.ArgumentParser:
                         help="its arithmetic: aion (what train.py computes in here), script (its own), bfloat16, float32")
     parser.add_argument("--clock", default="", help="equal steps: a calibration made elsewhere, one cost a step "
                                                     "(python -m tools.equal_steps); needs --steps")
-    parser.add_argument("--steps", type=int, default=0, help="with --clock: stop after this many optimizer steps")
+    parser.add_argument("--steps", type=int, default=0, help="with --clock: stop after this many optimizer steps; "
+                                                              "with --rows-only: the steps whose rows it writes")
     parser.add_argument("--record-rows", action="store_true",
                         help="write run_dir/rows.bin, the rows it trained on, for train.py's data.order=replay")
     parser.add_argument("--rows-only", default="", metavar="FILE",
@@ -372,9 +373,14 @@ def main(argv=None) -> int:
 
     if args.rows_only:  # the rows depend on the documents and the FF_* settings alone (record_rows), not on a run
         out = Path(args.rows_only)
-        record_rows(script, {**{k: v for k, v in settings.items() if k.startswith("FF_")},
-                             **kit_env(folder, args.seconds, out.with_suffix(".steps.log"))},
-                    out, args.steps * cfg.optim.batch_tokens // SEQ_LEN)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            record_rows(script, {**{k: v for k, v in settings.items() if k.startswith("FF_")},
+                                 **kit_env(folder, args.seconds, out.parent)},
+                        out, args.steps * cfg.optim.batch_tokens // SEQ_LEN)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print(f"rows:{out} steps:{args.steps} seed:{args.seed} script:{script}", flush=True)
         return 0
     name = args.name or script.parent.name
