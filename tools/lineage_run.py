@@ -164,8 +164,10 @@ def virtual_step_seconds(calibration: str) -> tuple:
     return doc["id"], next(iter(doc["step_ms"].values())) / 1000, f"{doc['source']} ({doc['machine']})"
 
 
-def record_rows(script: Path, env: dict, out: Path, rows: int):
-    """Writes the first `rows` rows of the script's training loader to the shard `out` (module docstring)."""
+def record_rows(script: Path, env: dict, out: Path, steps: int, batch_tokens: int):
+    """Writes the rows of `steps` steps of `batch_tokens`, the first ones of the script's training loader, to the
+    shard `out` (module docstring)."""
+    rows = steps * batch_tokens // SEQ_LEN
     os.environ.update(env)
     module = import_script(script)
     if not module.STREAM_MIX:
@@ -377,7 +379,7 @@ def main(argv=None) -> int:
         try:
             record_rows(script, {**{k: v for k, v in settings.items() if k.startswith("FF_")},
                                  **kit_env(folder, args.seconds, out.parent)},
-                        out, args.steps * cfg.optim.batch_tokens // SEQ_LEN)
+                        out, args.steps, cfg.optim.batch_tokens)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -421,8 +423,8 @@ def main(argv=None) -> int:
         else:
             settled = {k: v for k, v in env.items() if k.startswith(("FF_", "AION_KIT")) and k != "AION_KIT_STEP_SECONDS"}
             if args.record_rows:
-                record_rows(ran, settled, run_dir / "rows.bin", step_clock(run_dir / "steps.log")["steps"]
-                            * cfg.optim.batch_tokens // SEQ_LEN)
+                record_rows(ran, settled, run_dir / "rows.bin", step_clock(run_dir / "steps.log")["steps"],
+                            cfg.optim.batch_tokens)
             model = load_model(ran, settled, checkpoint,
                                max(config.eval_seq_len(cfg), cfg.eval.kit_seq_len if train.kit_scored(cfg) else 0))
             params = sum(p.numel() for p in model.parameters())
