@@ -583,11 +583,11 @@ class Trainer:
         self.step_count, self.train_s, self.compile_s = 0, 0.0, 0.0
         self.timeline = []  # [stage, train_s at its start, steps in it]
         self.flops = 0.0  # training FLOPs so far, by each stage's FLOPs per token
+        self.step_ms, self.steady_tokens, self.steady_s = [], 0, 0.0  # steady steps: measured ms; tokens, clock seconds
         if self.resumed:
             self.restore(self.resumed)
         self.enter_stage(self.stage_at(self.train_s / cfg.budget.seconds))
         self.stop_signal, self.diverged = None, ""  # diverged: the reason
-        self.step_ms, self.steady_tokens, self.steady_s = [], 0, 0.0  # steady steps: measured ms; tokens, clock seconds
         self.curve_s, self.curve_points = 0.0, 0
 
     # -- annealing stages ----------------------------------------------------------------------
@@ -687,6 +687,7 @@ class Trainer:
                      optimizers=[o.state_dict() for o in self.optimizers],
                      loader=self.loader_state, step=self.step_count, train_s=self.train_s, compile_s=self.compile_s,
                      run_id=self.run_id, config=dataclasses.asdict(self.cfg), timeline=self.timeline, flops=self.flops,
+                     steady=dict(step_ms=self.step_ms, tokens=self.steady_tokens, s=self.steady_s),
                      # numpy's state as plain values: a checkpoint must load with weights_only=True
                      rng=dict(torch=torch.get_rng_state(), python=random.getstate(),
                               numpy=[v.tolist() if isinstance(v, np.ndarray) else v for v in np.random.get_state()],
@@ -716,6 +717,10 @@ class Trainer:
         self.loader_state = ckpt["loader"]
         self.step_count, self.train_s, self.compile_s = ckpt["step"], ckpt["train_s"], ckpt["compile_s"]
         self.timeline, self.flops = ckpt["timeline"], ckpt["flops"]
+        # The steady steps before the interruption, so the row's tokens/s, step ms and MFU are the whole run's. A
+        # checkpoint from before 2026-12-07 has none: its row counts the steps after the resume only.
+        steady = ckpt.get("steady", dict(step_ms=[], tokens=0, s=0.0))
+        self.step_ms, self.steady_tokens, self.steady_s = list(steady["step_ms"]), steady["tokens"], steady["s"]
         torch.set_rng_state(ckpt["rng"]["torch"])
         name, keys, *rest = ckpt["rng"]["numpy"]
         np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))

@@ -449,3 +449,8 @@ def test_a_resumed_calibrated_run_gets_exactly_its_steps(tmp_path, builtin_1024,
     assert [(r["status"], r["steps"]) for r in interrupted] == [("interrupted", str(n)) for n in stops]
     assert (row["steps"], row["stages"], row["train_s"], row["val_bpb"]) == (
         reference["steps"], reference["stages"], reference["train_s"], reference["val_bpb"])
+    # tokens/s counts the steady steps of every part of the run, not the last part's alone: with two stages whose
+    # costs differ 2x it lies strictly between their rates (the steps that compile after a resume are left out, as
+    # a run's first steps are, so it need not equal the uninterrupted run's)
+    rates = [int(row["tokens"]) / int(row["steps"]) * 1000 / ms for ms in costs_ms]
+    assert min(rates) < float(row["tokens_per_s"]) < max(rates) or rates == [float(row["tokens_per_s"])]
