@@ -719,8 +719,8 @@ class Trainer:
         self.timeline, self.flops = ckpt["timeline"], ckpt["flops"]
         # The steady steps before the interruption, so the row's tokens/s, step ms and MFU are the whole run's. A
         # checkpoint written before this key (2026-12-07) has none: its row counts the steps after the resume only.
-        steady = ckpt.get("steady", dict(step_ms=[], tokens=0, s=0.0))
-        self.step_ms, self.steady_tokens, self.steady_s = list(steady["step_ms"]), steady["tokens"], steady["s"]
+        if steady := ckpt.get("steady"):
+            self.step_ms, self.steady_tokens, self.steady_s = list(steady["step_ms"]), steady["tokens"], steady["s"]
         torch.set_rng_state(ckpt["rng"]["torch"])
         name, keys, *rest = ckpt["rng"]["numpy"]
         np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
